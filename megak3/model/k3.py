@@ -1,0 +1,176 @@
+"""The Kimi-K3 decoder (K3_SPEC.md §3): hybrid KDA / Gated-MLA layers, Block AttnRes across depth,
+a dense SiTU-GLU layer 0 and Stable LatentMoE elsewhere, untied lm_head, optional native vision.
+
+No process-group code here: parallel layouts transform this module from the outside (parallel/).
+The depth state that flows between layers (and across pipeline stages) is ``(partial, blocks)``:
+the current AttnRes block's partial sum and the tuple of committed block sums.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..config import ModelConfig
+from .attn_res import AttnResMix
+from .ffn import SiTUGLUMLP
+from .kda import KimiDeltaAttention
+from .mla import GatedMLA, attention_mask
+from .moe import LatentMoE, MoEStats
+from .norm import RMSNorm
+from .seqinfo import SeqInfo, make_seq_info
+
+Blocks = Tuple[torch.Tensor, ...]
+
+
+@dataclass
+class K3Output:
+    loss: Optional[torch.Tensor]
+    """mean next-token cross entropy over labels != -100 (None without labels)"""
+    loss_sum: Optional[torch.Tensor]
+    """summed token losses (for exact averaging over micro-batches / ranks)"""
+    num_tokens: int
+    """number of labelled tokens"""
+    logits: Optional[torch.Tensor]
+    """[B, T, V] fp32 logits, when requested"""
+    moe_stats: List[MoEStats] = field(default_factory=list)
+    """router statistics, one entry per MoE layer in layer order"""
+
+
+class K3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.layer_idx = layer_idx
+        self.block_size = cfg.attn_res_block_size
+        self.kind = cfg.layer_kinds()[layer_idx]
+        self.is_moe = cfg.is_moe_layer(layer_idx)
+        self.attn_res = AttnResMix(d, eps)
+        self.mlp_res = AttnResMix(d, eps)
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.self_attn = KimiDeltaAttention(cfg) if self.kind == "kda" else GatedMLA(cfg)
+        if self.is_moe:
+            self.mlp = LatentMoE(cfg)
+        else:
+            self.mlp = SiTUGLUMLP(d, cfg.dense_intermediate_size, cfg.situ_beta1, cfg.situ_beta2)
+
+    def forward(self, partial: torch.Tensor, blocks: Blocks, seq: SeqInfo, mask=None):
+        """One decoder layer on the AttnRes depth state; returns (partial, blocks, moe_stats|None)."""
+        h = partial if not blocks else self.attn_res(partial, blocks)
+        if self.layer_idx % self.block_size == 0:  # block boundary: commit the finished block
+            blocks = blocks + (partial,)
+            partial = None
+        x = self.input_layernorm(h)
+        a = self.self_attn(x, seq) if self.kind == "kda" else self.self_attn(x, seq, mask)
+        partial = a if partial is None else partial + a
+        x = self.post_attention_layernorm(self.mlp_res(partial, blocks))
+        stats = None
+        if self.is_moe:
+            f, stats = self.mlp(x.reshape(-1, x.shape[-1]))
+            f = f.view_as(x)
+        else:
+            f = self.mlp(x)
+        return partial + f, blocks, stats
+
+
+class K3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        d = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
+        self.layers = nn.ModuleList(K3DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.output_attn_res = AttnResMix(d, cfg.rms_norm_eps)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        self.vision = None
+        if cfg.vision.enabled:
+            from .vision import VisionTower
+
+            self.vision = VisionTower(cfg.vision, d, cfg.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.has_mla = "mla" in cfg.layer_kinds()
+
+    def moe_layers(self) -> List[LatentMoE]:
+        return [l.mlp for l in self.layers if l.is_moe]
+
+    # ---- pieces (also used by pipeline stages) ----------------------------------------------
+    def embed(self, input_ids_BT: torch.Tensor, images: Optional[Sequence[torch.Tensor]] = None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids_BT)
+        if images:
+            if self.vision is None:
+                raise ValueError("images were given but model.vision.enabled=false; enable the vision tower")
+            from .vision import splice_image_tokens
+
+            x = splice_image_tokens(x, input_ids_BT, self.vision(list(images)),
+                                    self.config.media_placeholder_token_id)
+        return x
+
+    def run_layers(self, layers, partial, blocks: Blocks, seq: SeqInfo, mask=None):
+        stats: List[MoEStats] = []
+        for layer in layers:
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                partial, blocks, st = checkpoint(_call_layer, layer, partial, seq, mask, *blocks,
+                                                 use_reentrant=False)
+            else:
+                partial, blocks, st = layer(partial, blocks, seq, mask)
+            if st is not None:
+                stats.append(st)
+        return partial, blocks, stats
+
+    def head(self, partial, blocks: Blocks) -> torch.Tensor:
+        return self.lm_head(self.norm(self.output_attn_res(partial, blocks))).float()
+
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                cu_seqlens: Optional[torch.Tensor] = None, images: Optional[Sequence[torch.Tensor]] = None,
+                return_logits: Optional[bool] = None) -> K3Output:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T]; got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        if T > self.config.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.config.max_seq_len}")
+        seq = make_seq_info(B, T, cu_seqlens, input_ids.device)
+        mask = attention_mask(seq, input_ids.device) if self.has_mla else None
+        x = self.embed(input_ids, images)
+        partial, blocks, stats = self.run_layers(self.layers, x, (), seq, mask)
+        logits = self.head(partial, blocks)
+        loss = loss_sum = None
+        n = 0
+        if labels is not None:
+            loss_sum, n = token_loss_sum(logits, labels)
+            loss = loss_sum / max(n, 1)
+        keep = return_logits if return_logits is not None else labels is None
+        return K3Output(loss, loss_sum, n, logits if keep else None, stats)
+
+
+def _call_layer(layer, partial, seq, mask, *blocks):
+    return layer(partial, tuple(blocks), seq, mask)
+
+
+def token_loss_sum(logits_BTV: torch.Tensor, labels_BT: torch.Tensor):
+    """(sum of next-token CE over labels != -100, count). Labels are already shifted by the loader."""
+    n = int((labels_BT != -100).sum())
+    loss = F.cross_entropy(logits_BTV.reshape(-1, logits_BTV.shape[-1]).float(), labels_BT.reshape(-1),
+                           ignore_index=-100, reduction="sum")
+    return loss, n
+
+
+def build_model(cfg: ModelConfig, seed: int = 0, device=None, init: bool = True) -> K3Model:
+    """Construct a K3Model and initialise it deterministically from ``seed`` (skipped on meta)."""
+    from .init import init_model
+
+    if device is not None and torch.device(device).type == "meta":
+        with torch.device("meta"):
+            return K3Model(cfg)
+    model = K3Model(cfg)
+    if device is not None:
+        model = model.to(device)
+    if init:
+        init_model(model, seed, cfg.init_std)
+    return model

@@ -1,0 +1,49 @@
+"""Packed-sequence metadata computed once per forward and shared by every layer.
+
+``cu_seqlens`` indexes the flattened ``B*T`` token stream (fla convention). Row ends are always
+document ends (a document never continues into the next row), so the row boundaries are merged
+in here: callers may pass document boundaries only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class SeqInfo:
+    batch: int
+    seqlen: int
+    cu_seqlens: Optional[torch.Tensor]
+    """int32 [N+1] offsets into the flattened B*T stream, or None (one document per row)"""
+    doc_ids_BT: Optional[torch.Tensor]
+    """int64 [B, T] document index per token, or None"""
+    pos_in_doc_BT: Optional[torch.Tensor]
+    """int64 [B, T] position of each token inside its document, or None"""
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+
+def make_seq_info(batch: int, seqlen: int, cu_seqlens: Optional[torch.Tensor],
+                  device: torch.device | str = "cpu") -> SeqInfo:
+    """Validate ``cu_seqlens`` and derive per-token document ids / positions."""
+    if cu_seqlens is None:
+        return SeqInfo(batch, seqlen, None, None, None)
+    total = batch * seqlen
+    cu = torch.as_tensor(cu_seqlens, dtype=torch.int64).flatten().cpu()
+    if cu.numel() < 2 or cu[0].item() != 0 or cu[-1].item() != total:
+        raise ValueError(f"cu_seqlens must start at 0 and end at B*T={total}; got {cu.tolist()[:8]}...")
+    if bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError("cu_seqlens must be non-decreasing")
+    rows = torch.arange(0, total + 1, seqlen, dtype=torch.int64)
+    cu = torch.unique(torch.cat([cu, rows]))  # sorted; merges row ends, drops empty documents
+    lengths = cu[1:] - cu[:-1]
+    doc_ids = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    starts = torch.repeat_interleave(cu[:-1], lengths)
+    pos = torch.arange(total) - starts
+    return SeqInfo(batch, seqlen, cu.to(torch.int32).to(device), doc_ids.view(batch, seqlen).to(device),
+                   pos.view(batch, seqlen).to(device))

@@ -1,0 +1,102 @@
+"""The training job's schema: one dataclass per Hydra group (conf/config.yaml).
+
+Every field is typed with a one-line docstring. ``JobConfig.validate()`` runs every section's
+checks and the cross-section ones (batch divisibility, sequence length vs the model's limit)
+before any work starts; each error names the field and the fix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from parallel.config import ParallelConfig
+
+from ..config import ModelConfig
+from ..data.config import DataConfig
+from ..metrics.config import LoggingConfig
+from ..optim.config import OptimConfig
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    max_steps: int = 200
+    """optimizer steps to run"""
+    global_batch_size: int = 16
+    """sequences per optimizer step (summed over micro-batches and data-parallel ranks)"""
+    micro_batch_size: int = 8
+    """sequences per forward/backward; global_batch_size / micro_batch_size micro-batches are accumulated"""
+    seed: int = 1234
+    """seed for weight init (a pure function of seed and parameter name) and any sampling"""
+    precision: str = "fp32"
+    """'fp32' or 'bf16' (bf16 autocast for matmuls; fp32 master weights)"""
+    activation_checkpointing: bool = False
+    """recompute each decoder layer in backward instead of storing its activations"""
+    device: str = "auto"
+    """'auto' (cuda if available), 'cpu' or 'cuda'"""
+    eval_interval: int = 100
+    """steps between validation runs (0: only at start and end)"""
+    eval_batches: int = 8
+    """micro-batches per validation run"""
+    save_interval: int = 100
+    """steps between checkpoints (0: only at the end)"""
+    keep_last: int = 2
+    """complete checkpoints kept on disk (older ones are pruned)"""
+    resume: str = "none"
+    """'none', 'auto' (newest complete checkpoint in run_dir/checkpoints) or a checkpoint directory"""
+    run_dir: Optional[str] = None
+    """where metrics, checkpoints and the wandb run go; default: Hydra's output directory"""
+    threads: int = 0
+    """torch intra-op threads on CPU (0: torch's default)"""
+
+    def validate(self) -> "TrainConfig":
+        def need(ok, f, rule):
+            if not ok:
+                raise ValueError(f"train.{f}={getattr(self, f)!r} {rule}")
+
+        need(self.max_steps > 0, "max_steps", "must be > 0")
+        need(self.micro_batch_size > 0, "micro_batch_size", "must be > 0")
+        need(self.global_batch_size > 0, "global_batch_size", "must be > 0")
+        need(self.global_batch_size % self.micro_batch_size == 0, "global_batch_size",
+             f"must be a multiple of train.micro_batch_size={self.micro_batch_size}")
+        need(self.precision in ("fp32", "bf16"), "precision", "must be 'fp32' or 'bf16'")
+        need(self.device in ("auto", "cpu", "cuda"), "device", "must be 'auto', 'cpu' or 'cuda'")
+        for f in ("eval_interval", "eval_batches", "save_interval", "threads"):
+            need(getattr(self, f) >= 0, f, "must be >= 0")
+        need(self.keep_last >= 1, "keep_last", "must be >= 1")
+        return self
+
+    @property
+    def grad_accum(self) -> int:
+        return self.global_batch_size // self.micro_batch_size
+
+
+@dataclass
+class JobConfig:
+    """Everything one training run needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """the architecture (conf/model/)"""
+    data: DataConfig = field(default_factory=DataConfig)
+    """dataset, tokenizer and packing (conf/data/)"""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """optimizer and LR schedule (conf/optim/)"""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """the loop: steps, batches, precision, checkpoints (conf/train/)"""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """console, JSONL, wandb, telemetry (conf/logging/)"""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """parallel layout (conf/parallel/)"""
+
+    def validate(self, world_size: int = 1) -> "JobConfig":
+        self.model.validate()
+        self.data.validate()
+        self.train.validate()
+        self.optim.validate(self.train.max_steps)
+        self.logging.validate()
+        self.parallel.validate(world_size)
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len="
+                             f"{self.model.max_seq_len}; lower data.seq_len")
+        return self

@@ -1,0 +1,34 @@
+"""megak3: Megatron-style 3D-parallel training for Kimi-K3-architecture models.
+
+Installs three packages: ``megak3`` (model + training program), ``parallel`` (process groups and
+parallel layouts) and ``moonep`` (expert parallelism). Install with ``bash tools/bootstrap.sh``,
+which pins torch==2.13.0 through ``tools/constraints.txt`` before anything else.
+"""
+from setuptools import find_packages, setup
+
+RUNTIME = [
+    "torch>=2.5,<2.14",          # 2.13.0 is the tested build; the constraints file pins it
+    "numpy>=1.24",
+    "hydra-core>=1.3,<1.4",
+    "omegaconf>=2.3,<2.4",
+    "tokenizers>=0.15",
+    "tqdm>=4.60",
+    "wandb>=0.16",
+]
+EXTRAS = {
+    # GPU-only accelerators; every path they serve has a pure-torch twin used on CPU.
+    # NVIDIA apex is not on PyPI (PyPI's "apex" is unrelated) and is only imported if the user built it.
+    "gpu": ["transformer_engine[pytorch]>=1.8", "fla-core>=0.2", "nvidia-ml-py>=12"],
+    "dev": ["pytest>=7.4", "pytest-xdist>=3.3", "pytest-timeout>=2.1", "matplotlib>=3.7", "ninja>=1.11"],
+}
+
+setup(
+    name="megak3",
+    version="0.1.0",
+    description="Megatron-style 3D-parallel training system for Kimi-K3-architecture models",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megak3", "megak3.*", "parallel", "parallel.*", "moonep", "moonep.*"]),
+    install_requires=RUNTIME,
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["megak3-train=megak3.train.__main__:main"]},
+)

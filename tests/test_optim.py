@@ -383,7 +383,7 @@ def test_wsd_and_constant_schedule_values():
     ("schedule", "linear", None, r"optim.schedule='linear'"),
     ("muon_momentum", 1.0, None, r"optim.muon_momentum=1.0"),
     ("grad_clip", -0.5, None, r"optim.grad_clip=-0.5"),
-    ("warmup_steps", 10, 10, r"optim.warmup_steps=10 must be < max_steps=10"),
+    ("warmup_steps", 10, 10, r"optim.warmup_steps=10 must be < train.max_steps=10"),
 ])
 def test_validate_names_the_field(field, value, max_steps, msg):
     cfg = OptimConfig(**{field: value})

@@ -68,7 +68,7 @@ class OptimConfig:
             return self
         if max_steps <= 0:
             raise ValueError(f"max_steps={max_steps} must be > 0")
-        need(self.warmup_steps < max_steps, "warmup_steps", f"must be < max_steps={max_steps}")
+        need(self.warmup_steps < max_steps, "warmup_steps", f"must be < train.max_steps={max_steps}")
         if self.schedule == "wsd":
             decay = wsd_decay_steps(self, max_steps)
             need(self.warmup_steps + decay <= max_steps, "decay_fraction",

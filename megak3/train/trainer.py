@@ -55,9 +55,10 @@ class Trainer:
             raise ValueError(f"tokenizer {tok_path} has {self.tokenizer.vocab_size} tokens but model.vocab_size="
                              f"{job.model.vocab_size}; raise model.vocab_size or use a smaller data.vocab_size")
         dataset = IndexedDataset(prefix)
-        self.train_data = Batcher(PackedDataset(dataset, d.seq_len, "train", d.valid_fraction, d.seed),
+        pad = self.tokenizer.pad_id
+        self.train_data = Batcher(PackedDataset(dataset, d.seq_len, "train", d.valid_fraction, d.seed, pad),
                                   t.micro_batch_size)
-        self._valid_packed = PackedDataset(dataset, d.seq_len, "valid", d.valid_fraction, d.seed)
+        self._valid_packed = PackedDataset(dataset, d.seq_len, "valid", d.valid_fraction, d.seed, pad)
         self.dataset_prefix = prefix
 
         torch.manual_seed(t.seed)
@@ -115,47 +116,61 @@ class Trainer:
     def _to_device(self, batch: dict) -> dict:
         return {k: (v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
-    def train_step(self) -> dict:
-        model, opt, job = self.model, self.optimizer, self.job
+    def next_micro_batches(self) -> list:
+        return [self._to_device(next(self.train_data)) for _ in range(self.job.train.grad_accum)]
+
+    def accumulate_gradients(self, micro: list) -> dict:
+        """Forward/backward over one step's micro-batches; feeds the QB accumulators."""
+        model = self.model
         model.train()
-        micro = [self._to_device(self.train_data.next()) for _ in range(job.train.grad_accum)]
         step_tokens = sum(int((b["labels"] != -100).sum()) for b in micro)
-        loads = None
-        loss_sum = 0.0
+        loads, loss_sum = None, 0.0
         biases = [m.gate.e_score_correction_bias for m in model.moe_layers()]
         for b in micro:
             with self._autocast():
                 out = model(b["input_ids"], labels=b["labels"], cu_seqlens=b.get("cu_seqlens"))
             (out.loss_sum / max(step_tokens, 1)).backward()
             loss_sum += out.loss_sum.item()
-            counts = torch.stack([s.tokens_per_expert_E.float() for s in out.moe_stats]) if out.moe_stats else None
-            loads = counts if loads is None else loads + counts
+            if out.moe_stats:
+                counts = torch.stack([s.tokens_per_expert_E.float() for s in out.moe_stats])
+                loads = counts if loads is None else loads + counts
             for acc, st, bias in zip(self.balancers, out.moe_stats, biases):
                 acc.add(st.scores_TE, bias)
-        params = [p for p in model.parameters() if p.grad is not None]
+        maxvio = float(sum(max_violation(l) for l in loads) / len(loads)) if loads is not None else 0.0
+        return {"loss": loss_sum / max(step_tokens, 1), "expert_load_max_violation": maxvio,
+                "tokens": sum(b["input_ids"].numel() for b in micro)}
+
+    def optimizer_step(self) -> dict:
+        """Clip, schedule, Muon/AdamW step, then the Quantile-Balancing bias update."""
+        job, opt = self.job, self.optimizer
+        params = [p for p in self.model.parameters() if p.grad is not None]
         clip = job.optim.grad_clip
         gnorm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         lr = lr_at(self.step, job.optim, job.train.max_steps)
         set_lr(opt, lr)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        with torch.no_grad():  # Quantile Balancing: new selection biases for the next step
-            for acc, bias in zip(self.balancers, biases):
+        with torch.no_grad():  # new selection biases for the next step
+            for acc, m in zip(self.balancers, self.model.moe_layers()):
+                bias = m.gate.e_score_correction_bias
                 bias.copy_(acc.solve(bias))
                 acc.reset()
         self.step += 1
-        maxvio = float(sum(max_violation(l) for l in loads) / len(loads)) if loads is not None else 0.0
-        return {"loss": loss_sum / max(step_tokens, 1), "lr": lr, "grad_norm": float(gnorm),
-                "expert_load_max_violation": maxvio, "tokens": sum(b["input_ids"].numel() for b in micro)}
+        return {"lr": lr, "grad_norm": float(gnorm)}
+
+    def train_step(self) -> dict:
+        m = self.accumulate_gradients(self.next_micro_batches())
+        m.update(self.optimizer_step())
+        return m
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Token-weighted validation loss over the first ``train.eval_batches`` validation micro-batches."""
         self.model.eval()
-        batches = Batcher(self._valid_packed, self.job.train.micro_batch_size)
+        batches = iter(Batcher(self._valid_packed, self.job.train.micro_batch_size, loop=False))
         total, n = 0.0, 0
-        for _ in range(max(1, self.job.train.eval_batches)):
-            b = self._to_device(batches.next())
+        for _, b in zip(range(max(1, self.job.train.eval_batches)), batches):
+            b = self._to_device(b)
             with self._autocast():
                 out = self.model(b["input_ids"], labels=b["labels"], cu_seqlens=b.get("cu_seqlens"))
             total += out.loss_sum.item()

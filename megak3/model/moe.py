@@ -1,0 +1,189 @@
+"""Stable LatentMoE (K3_SPEC.md §7.1, §14 ``latent_moe``; NEMO ``KimiK3MoE``).
+
+    route on full-width x:   w_TK, idx_TK, s_TE = Router(x_TD)
+    z_TL  = routed_expert_down_proj(x_TD)                       D -> L (= D/2)
+    u_TL  = sum_k w_TK * E_{idx_TK}(z_TL)                        SiTU-GLU experts L -> m -> L
+    y_TD  = routed_expert_up_proj(RMSNorm_L(u_TL)) + shared_experts(x_TD)
+
+Shape legend: T tokens, D model width, L latent width, E experts, K top-k slots, X = T*K routed
+rows (one per (token, slot) pair), m expert width. The router weight multiplies each expert output
+*after* the expert's down-projection, in fp32 (NEMO ``apply_router_weight_after_down``). There is
+no auxiliary loss: balance comes from the router bias, updated by Quantile Balancing.
+
+``permute`` / ``GroupedExperts`` / ``unpermute`` are independent of routing so expert parallelism
+(moonep/) can put a dispatch between ``permute`` and the experts and a combine before ``unpermute``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megak3.config import ModelConfig
+from megak3.ops.situ import situ_glu
+
+from .ffn import SiTUGLUMLP
+from .norm import RMSNorm
+from .router import Router
+
+
+@dataclass
+class MoEStats:
+    """Router statistics of one LatentMoE call, consumed by Quantile Balancing and logging."""
+
+    scores_TE: torch.Tensor
+    """sigmoid router scores, fp32, detached"""
+    tokens_per_expert_E: torch.Tensor
+    """int64 number of (token, slot) selections per expert"""
+
+
+# ---- routing-independent helpers (reused by expert parallelism) ------------------------------
+
+def permute(indices_TK: torch.Tensor, num_experts: int):
+    """Sort the T*K (token, slot) pairs by expert.
+
+    Returns ``order_X`` (int64: row r of the sorted layout is flat pair ``order_X[r]`` = t*K + k),
+    ``token_of_row_X`` (int64 token id of each sorted row) and ``tokens_per_expert_E`` (int64).
+    The argsort is stable, so rows of one expert keep token order (deterministic layout).
+    """
+    if indices_TK.dim() != 2:
+        raise ValueError(f"permute: indices must be [T, K], got {tuple(indices_TK.shape)}")
+    flat_X = indices_TK.reshape(-1)
+    order_X = torch.argsort(flat_X, stable=True)
+    token_of_row_X = order_X // indices_TK.shape[1]
+    tokens_per_expert_E = torch.bincount(flat_X, minlength=num_experts)
+    return order_X, token_of_row_X, tokens_per_expert_E
+
+
+def unpermute(y_sorted_XL: torch.Tensor, order_X: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    """u_TL = sum_k weights_TK[t, k] * (row of pair (t, k)), in fp32 (at least); inverse of ``permute``.
+
+    Rows are put back in (token, slot) order and reduced over K with a fixed-order sum instead of
+    an index_add: the result is then bitwise reproducible on GPUs, where index_add uses atomics.
+    """
+    T, K = weights_TK.shape
+    assert y_sorted_XL.shape[0] == order_X.numel() == T * K, "one sorted row per (token, slot) pair"
+    inverse_X = torch.empty_like(order_X)
+    inverse_X[order_X] = torch.arange(order_X.numel(), device=order_X.device)
+    dt = torch.promote_types(weights_TK.dtype, torch.float32)
+    rows_TKL = y_sorted_XL[inverse_X].to(dt).view(T, K, y_sorted_XL.shape[1])
+    return (rows_TKL * weights_TK.to(dt).unsqueeze(-1)).sum(1)
+
+
+# ---- experts ---------------------------------------------------------------------------------
+
+def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """torch's grouped GEMM pays off on CUDA in bf16 with 16-byte aligned rows; elsewhere loop.
+
+    (torch 2.13 also runs F.grouped_mm on CPU for fp32/bf16, but no faster than the loop and not
+    for fp64; the CPU path is exercised by the tests against the loop.)
+    """
+    return (hasattr(F, "grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16 == w.dtype
+            and x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0
+            and torch.cuda.get_device_capability(x.device)[0] >= 9)  # CUTLASS kernel needs sm90+
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (grouped_mm's backward
+    rejects expanded gradients such as the one produced by ``y.sum().backward()``)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def grouped_linear(x_XI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E: torch.Tensor,
+                   use_grouped_mm: bool | None = None) -> torch.Tensor:
+    """Per-group x @ w[e]^T on contiguous row groups: x_XI [X, I], w_EOI [E, O, I] -> [X, O].
+
+    Rows ``offsets[e-1]:offsets[e]`` (offsets = cumsum of tokens_per_expert_E) use expert e.
+    ``use_grouped_mm`` None picks torch's grouped GEMM when it pays off (see ``_grouped_mm_ok``);
+    the loop over non-empty experts is its reference twin (one host sync for the counts).
+    """
+    if use_grouped_mm is None:
+        use_grouped_mm = _grouped_mm_ok(x_XI, w_EOI)
+    if use_grouped_mm and x_XI.shape[0] > 0:  # grouped_mm's backward rejects empty gradients
+        offs_E = tokens_per_expert_E.cumsum(0).to(torch.int32)
+        return _ContiguousGrad.apply(F.grouped_mm(x_XI, w_EOI.transpose(-2, -1), offs=offs_E))
+    counts = tokens_per_expert_E.tolist()
+    assert sum(counts) == x_XI.shape[0], "tokens_per_expert must sum to the number of rows"
+    outs = [chunk @ w_EOI[e].T for e, chunk in enumerate(torch.split(x_XI, counts)) if counts[e] > 0]
+    if not outs:  # no rows at all: keep the weights in the graph (zero grads, not None)
+        return x_XI @ w_EOI[0].T
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+class GroupedExperts(nn.Module):
+    """E SiTU-GLU experts applied to rows already sorted by expert.
+
+    Parameters (stacked like nn.Linear weights, out x in): ``w1`` [E, m, L] gate, ``w3`` [E, m, L]
+    up, ``w2`` [E, L, m] down. ``forward(z_sorted_XL, tokens_per_expert_E) -> y_XL``, where expert e
+    gets the contiguous rows ``offsets[e-1]:offsets[e]``; y has z's dtype.
+    """
+
+    def __init__(self, num_experts: int, latent_size: int, intermediate_size: int,
+                 beta1: float = 4.0, beta2: float = 25.0):
+        super().__init__()
+        self.num_experts = num_experts
+        self.beta1, self.beta2 = float(beta1), float(beta2)
+        self.use_grouped_mm: bool | None = None  # None: automatic; True/False force a path (tests)
+        self.w1 = nn.Parameter(torch.empty(num_experts, intermediate_size, latent_size))
+        self.w3 = nn.Parameter(torch.empty(num_experts, intermediate_size, latent_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, latent_size, intermediate_size))
+        for w in (self.w1, self.w3, self.w2):
+            nn.init.normal_(w, std=0.02)
+
+    def forward(self, z_sorted_XL: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        L = self.w1.shape[2]
+        if z_sorted_XL.dim() != 2 or z_sorted_XL.shape[1] != L:
+            raise ValueError(f"GroupedExperts: rows must be [X, latent_size={L}], got {tuple(z_sorted_XL.shape)}")
+        if tokens_per_expert_E.shape != (self.num_experts,):
+            raise ValueError(f"GroupedExperts: tokens_per_expert must be [{self.num_experts}], "
+                             f"got {tuple(tokens_per_expert_E.shape)}")
+        gmm = self.use_grouped_mm
+        gate_Xm = grouped_linear(z_sorted_XL, self.w1, tokens_per_expert_E, gmm)
+        up_Xm = grouped_linear(z_sorted_XL, self.w3, tokens_per_expert_E, gmm)
+        h_Xm = situ_glu(gate_Xm, up_Xm, self.beta1, self.beta2)
+        return grouped_linear(h_Xm, self.w2, tokens_per_expert_E, gmm)
+
+    def extra_repr(self) -> str:
+        E, m, L = self.w1.shape
+        return f"experts={E}, latent={L}, intermediate={m}, beta1={self.beta1}, beta2={self.beta2}"
+
+
+# ---- the layer -------------------------------------------------------------------------------
+
+class LatentMoE(nn.Module):
+    """Stable LatentMoE block: ``forward(x_TD) -> (y_TD, MoEStats)``; x must be 2-D [T, D]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        moe = cfg.moe
+        D, L, m = cfg.hidden_size, moe.latent_size, moe.expert_intermediate_size
+        self.num_experts, self.top_k = moe.num_experts, moe.top_k
+        self.gate = Router(D, moe.num_experts, moe.top_k, moe.routed_scaling_factor)
+        self.routed_expert_down_proj = nn.Linear(D, L, bias=False)
+        self.experts = GroupedExperts(moe.num_experts, L, m, cfg.situ_beta1, cfg.situ_beta2)
+        self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps) if moe.use_latent_norm else None
+        self.routed_expert_up_proj = nn.Linear(L, D, bias=False)
+        self.shared_experts = (SiTUGLUMLP(D, moe.num_shared_experts * m, cfg.situ_beta1, cfg.situ_beta2)
+                               if moe.num_shared_experts > 0 else None)
+
+    def forward(self, x_TD: torch.Tensor):
+        route = self.gate(x_TD)                                   # validates x is [T, D]
+        z_TL = self.routed_expert_down_proj(x_TD)
+        order_X, token_of_row_X, tokens_per_expert_E = permute(route.indices_TK, self.num_experts)
+        y_sorted_XL = self.experts(z_TL[token_of_row_X], tokens_per_expert_E)
+        u_TL = unpermute(y_sorted_XL, order_X, route.weights_TK).to(x_TD.dtype)
+        if self.routed_expert_norm is not None:
+            u_TL = self.routed_expert_norm(u_TL)
+        y_TD = self.routed_expert_up_proj(u_TL)
+        if self.shared_experts is not None:
+            y_TD = y_TD + self.shared_experts(x_TD)
+        return y_TD, MoEStats(route.scores_TE.detach(), tokens_per_expert_E)

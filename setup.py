@@ -14,12 +14,16 @@ RUNTIME = [
     "tokenizers>=0.15",
     "tqdm>=4.60",
     "wandb>=0.16",
+    "safetensors>=0.4",          # MXFP4 expert export (tools/export_mxfp4.py)
+    "nvidia-ml-py>=12",          # GPU telemetry; skipped with one notice when NVML is absent
 ]
 EXTRAS = {
     # GPU-only accelerators; every path they serve has a pure-torch twin used on CPU.
     # NVIDIA apex is not on PyPI (PyPI's "apex" is unrelated) and is only imported if the user built it.
-    "gpu": ["transformer_engine[pytorch]>=1.8", "fla-core>=0.2", "nvidia-ml-py>=12"],
-    "dev": ["pytest>=7.4", "pytest-xdist>=3.3", "pytest-timeout>=2.1", "matplotlib>=3.7", "ninja>=1.11"],
+    "gpu": ["transformer_engine[pytorch]>=1.8", "fla-core>=0.2"],
+    # torchao: an independent MX reference in tests (tests skip it when absent)
+    "dev": ["pytest>=7.4", "pytest-xdist>=3.3", "pytest-timeout>=2.1", "matplotlib>=3.7", "ninja>=1.11",
+            "torchao>=0.10"],
 }
 
 setup(

@@ -1,12 +1,21 @@
 """Parallel layout configuration (``conf/parallel/``).
 
-Degrees of the dense grid (tp x cp x dp x pp) and the expert grid (etp x ep x edp x pp). This
-release trains on one rank; the multi-rank layouts are built in parallel/ by the parallel issues,
-and a layout this build cannot run is rejected here, before any process group exists.
+Degrees of the dense grid (tp x cp x dp x pp) and the expert grid (etp x ep x edp x pp) over one
+world; the rank arithmetic lives in parallel/grid.py. ``validate`` checks the layout only (and,
+given a model config, the divisibility it needs), before any process group exists; which layouts
+a program can run is that program's decision (the trainer's, not this file's).
+
+    cfg = ParallelConfig(tp=4, pp=2, ep=8)          # dp=0: derived from the world size
+    cfg.validate(64, model_cfg)                     # raises ValueError naming parallel.<field>
+    cfg.to_layout(64)                               # Layout(world_size=64, tp=4, dp=8, pp=2, ep=8, ...)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from parallel.grid import DEFAULT_ORDER, Layout, validate_layout
+
+BACKENDS = ("auto", "gloo", "nccl")
 
 
 @dataclass
@@ -14,31 +23,59 @@ class ParallelConfig:
     """Parallel degrees (all 1 = a single process)."""
 
     tp: int = 1
-    """tensor-parallel degree"""
-    pp: int = 1
-    """pipeline-parallel degree"""
-    dp: int = 1
-    """data-parallel degree"""
+    """tensor-parallel degree (heads, FFN widths and vocabulary are split tp ways)"""
     cp: int = 1
-    """context-parallel degree"""
+    """context-parallel degree (the sequence is split cp ways)"""
+    dp: int = 0
+    """data-parallel degree; 0 = derive: world_size / (tp * cp * pp)"""
+    pp: int = 1
+    """pipeline-parallel degree (stages)"""
     ep: int = 1
-    """expert-parallel degree"""
+    """expert-parallel degree (routed experts are split ep ways; must divide moe.num_experts)"""
     etp: int = 1
-    """expert tensor-parallel degree"""
+    """expert tensor-parallel degree (each routed expert's width is split etp ways)"""
+    order: str = DEFAULT_ORDER
+    """rank order of the axes, first = fastest-varying (Megatron-Core's default 'tp-cp-ep-dp-pp')"""
+    sequence_parallel: bool = False
+    """shard the token axis of activations across the TP group outside the TP matmuls"""
     backend: str = "auto"
     """process-group backend: 'auto' (nccl on CUDA, gloo on CPU), 'gloo' or 'nccl'"""
+    timeout_s: float = 300.0
+    """timeout of every collective and of the rendezvous, in seconds"""
 
-    def validate(self, world_size: int = 1) -> "ParallelConfig":
-        for f in ("tp", "pp", "dp", "cp", "ep", "etp"):
+    def resolved_dp(self, world_size: int) -> int:
+        """dp, or world_size / (tp * cp * pp) when dp == 0."""
+        if self.dp != 0:
+            return self.dp
+        model = self.tp * self.cp * self.pp
+        if world_size % model:
+            raise ValueError(f"parallel.tp*cp*pp = {self.tp}*{self.cp}*{self.pp} = {model} does not "
+                             f"divide world_size={world_size}; change the degrees or the world size")
+        return world_size // model
+
+    def to_layout(self, world_size: int) -> Layout:
+        """The grid of this config on `world_size` ranks (dp derived when 0); not yet validated."""
+        for f in ("tp", "cp", "pp", "ep", "etp"):
             v = getattr(self, f)
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"parallel.{f}={v!r} must be an integer >= 1")
-            if v != 1:
-                raise ValueError(f"parallel.{f}={v}: multi-rank layouts are not in this build yet "
-                                 f"(single-rank trainer); set parallel.{f}=1")
-        if self.backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"parallel.backend={self.backend!r}: choose 'auto', 'gloo' or 'nccl'")
-        if world_size != 1:
-            raise ValueError(f"WORLD_SIZE={world_size}: this build trains on one rank; launch with "
-                             "`torchrun --nproc-per-node 1` or plain python")
+        if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 0:
+            raise ValueError(f"parallel.dp={self.dp!r} must be an integer >= 1, or 0 to derive it")
+        return Layout(world_size=world_size, tp=self.tp, cp=self.cp, dp=self.resolved_dp(world_size),
+                      pp=self.pp, ep=self.ep, etp=self.etp, order=self.order)
+
+    def validate(self, world_size: int = 1, model_cfg=None) -> "ParallelConfig":
+        """Raise ValueError naming `parallel.<field>` and the fix; return self.
+
+        model_cfg: a megak3.config.ModelConfig; when given, the degrees must divide its head
+        counts, widths, experts and vocabulary (see grid.validate_layout).
+        """
+        if self.backend not in BACKENDS:
+            raise ValueError(f"parallel.backend={self.backend!r}: choose one of {', '.join(BACKENDS)}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"parallel.sequence_parallel={self.sequence_parallel!r} must be true or false")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
+                or not self.timeout_s > 0:
+            raise ValueError(f"parallel.timeout_s={self.timeout_s!r} must be a positive number of seconds")
+        validate_layout(self.to_layout(world_size), model_cfg)
         return self

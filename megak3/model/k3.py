@@ -96,6 +96,11 @@ class K3Model(nn.Module):
             self.vision = VisionTower(cfg.vision, d, cfg.rms_norm_eps)
         self.gradient_checkpointing = False
         self.has_mla = "mla" in cfg.layer_kinds()
+        # Hooks a parallel layout sets from outside (parallel/parallelize.py); the model math stays
+        # free of process groups. ``sequence_shard``: [B,T,D] -> this rank's token shard after the
+        # embedding; ``loss_fn``: (logits, labels) -> (loss_sum, count), e.g. vocab-parallel CE.
+        self.sequence_shard = None
+        self.loss_fn = token_loss_sum
 
     def moe_layers(self) -> List[LatentMoE]:
         return [l.mlp for l in self.layers if l.is_moe]
@@ -138,12 +143,14 @@ class K3Model(nn.Module):
         seq = make_seq_info(B, T, cu_seqlens, input_ids.device)
         mask = attention_mask(seq, input_ids.device) if self.has_mla else None
         x = self.embed(input_ids, images)
+        if self.sequence_shard is not None:
+            x = self.sequence_shard(x)
         partial, blocks, stats = self.run_layers(self.layers, x, (), seq, mask)
         logits = self.head(partial, blocks)
         loss = loss_sum = None
         n = 0
         if labels is not None:
-            loss_sum, n = token_loss_sum(logits, labels)
+            loss_sum, n = self.loss_fn(logits, labels)
             loss = loss_sum / max(n, 1)
         keep = return_logits if return_logits is not None else labels is None
         return K3Output(loss, loss_sum, n, logits if keep else None, stats)

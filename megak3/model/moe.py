@@ -16,6 +16,7 @@ no auxiliary loss: balance comes from the router bias, updated by Quantile Balan
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -125,6 +126,12 @@ class GroupedExperts(nn.Module):
     Parameters (stacked like nn.Linear weights, out x in): ``w1`` [E, m, L] gate, ``w3`` [E, m, L]
     up, ``w2`` [E, L, m] down. ``forward(z_sorted_XL, tokens_per_expert_E) -> y_XL``, where expert e
     gets the contiguous rows ``offsets[e-1]:offsets[e]``; y has z's dtype.
+
+    Quantization-aware training hooks (megak3/quant/qat.py sets them; None = full precision):
+    ``weight_quant(w) -> w_q`` is applied to w1, w3, w2 on every forward (masters stay high precision)
+    and ``act_quant(a) -> a_q`` to both GEMM inputs (z rows and the SiTU-GLU hidden). Both see
+    tensors whose last dim is the GEMM's reduction dim. They live on this module so quantization
+    happens wherever the expert weights live (also under expert parallelism).
     """
 
     def __init__(self, num_experts: int, latent_size: int, intermediate_size: int,
@@ -133,6 +140,8 @@ class GroupedExperts(nn.Module):
         self.num_experts = num_experts
         self.beta1, self.beta2 = float(beta1), float(beta2)
         self.use_grouped_mm: bool | None = None  # None: automatic; True/False force a path (tests)
+        self.weight_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.act_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.w1 = nn.Parameter(torch.empty(num_experts, intermediate_size, latent_size))
         self.w3 = nn.Parameter(torch.empty(num_experts, intermediate_size, latent_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, latent_size, intermediate_size))
@@ -147,14 +156,23 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"GroupedExperts: tokens_per_expert must be [{self.num_experts}], "
                              f"got {tuple(tokens_per_expert_E.shape)}")
         gmm = self.use_grouped_mm
-        gate_Xm = grouped_linear(z_sorted_XL, self.w1, tokens_per_expert_E, gmm)
-        up_Xm = grouped_linear(z_sorted_XL, self.w3, tokens_per_expert_E, gmm)
+        w1, w3, w2 = self.w1, self.w3, self.w2
+        if self.weight_quant is not None:
+            w1, w3, w2 = self.weight_quant(w1), self.weight_quant(w3), self.weight_quant(w2)
+        if self.act_quant is not None:
+            z_sorted_XL = self.act_quant(z_sorted_XL)
+        gate_Xm = grouped_linear(z_sorted_XL, w1, tokens_per_expert_E, gmm)
+        up_Xm = grouped_linear(z_sorted_XL, w3, tokens_per_expert_E, gmm)
         h_Xm = situ_glu(gate_Xm, up_Xm, self.beta1, self.beta2)
-        return grouped_linear(h_Xm, self.w2, tokens_per_expert_E, gmm)
+        if self.act_quant is not None:
+            h_Xm = self.act_quant(h_Xm)
+        return grouped_linear(h_Xm, w2, tokens_per_expert_E, gmm)
 
     def extra_repr(self) -> str:
         E, m, L = self.w1.shape
-        return f"experts={E}, latent={L}, intermediate={m}, beta1={self.beta1}, beta2={self.beta2}"
+        q = "" if self.weight_quant is None and self.act_quant is None else \
+            f", weight_quant={self.weight_quant}, act_quant={self.act_quant}"
+        return f"experts={E}, latent={L}, intermediate={m}, beta1={self.beta1}, beta2={self.beta2}{q}"
 
 
 # ---- the layer -------------------------------------------------------------------------------

@@ -33,6 +33,8 @@ class OptimConfig:
     """AdamW β2"""
     adam_eps: float = 1e-8
     """AdamW ε (Moonlight value)"""
+    ns_dtype: str = "bfloat16"
+    """Newton–Schulz compute dtype: 'bfloat16' (Muon's default, fast on GPUs) or 'float32' (exact parity runs)"""
     per_head_muon: bool = True
     """orthogonalise the q/k/v (KDA) and q_b/kv_b (MLA) momentum per head (K3 Per-Head Muon, §9.3)"""
     schedule: str = "cosine"
@@ -59,6 +61,7 @@ class OptimConfig:
         need(0.0 <= self.adam_beta1 < 1.0, "adam_beta1", "must be in [0, 1)")
         need(0.0 <= self.adam_beta2 < 1.0, "adam_beta2", "must be in [0, 1)")
         need(self.adam_eps > 0, "adam_eps", "must be > 0")
+        need(self.ns_dtype in ("bfloat16", "float32"), "ns_dtype", "must be 'bfloat16' or 'float32'")
         need(self.schedule in SCHEDULES, "schedule", f"must be one of {SCHEDULES}")
         need(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps",
              "must be an int >= 0")

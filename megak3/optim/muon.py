@@ -96,6 +96,15 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_steps=ns_steps, ns_dtype=ns_dtype)
         super().__init__(params, defaults)
+        # id(param) -> (dim, process group) for whole-matrix params that are tensor-parallel shards:
+        # Newton-Schulz must see the full matrix, so the update is gathered, orthogonalised and
+        # re-sliced (per-head blocks never need this: a TP shard holds whole heads). Kept out of
+        # the param groups so state dicts stay plain data.
+        self.tp_shards: dict = {}
+
+    def set_tp_shard(self, param: torch.Tensor, dim: int, group) -> None:
+        """Declare ``param`` a TP shard along ``dim`` of a full matrix split over ``group``."""
+        self.tp_shards[id(param)] = (dim, group)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group; fills ``heads`` with None and checks it against the params' shapes."""
@@ -132,9 +141,30 @@ class Muon(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.mul_(mu).add_(g)
                 update = g.add(buf, alpha=mu) if group["nesterov"] else buf
+                shard = self.tp_shards.get(id(p)) if heads is None else None
+                if shard is not None:
+                    update, rank = _gather_shards(update, *shard)
                 blocks = muon_blocks(update, heads)
-                ortho = zeropower_via_newtonschulz5(blocks, group["ns_steps"], ns_dtype)
+                ortho = zeropower_via_newtonschulz5(blocks, group["ns_steps"], ns_dtype).reshape(update.shape)
+                scale = muon_scale(blocks)
+                if shard is not None:
+                    ortho = ortho.chunk(len(_group_ranks(shard[1])), dim=shard[0])[rank]
                 # Decoupled weight decay uses the unscaled η (Moonlight); the update uses the block scale.
                 p.mul_(1.0 - lr * wd)
-                p.add_(ortho.reshape(p.shape).to(p.dtype), alpha=-lr * muon_scale(blocks))
+                p.add_(ortho.to(p.dtype), alpha=-lr * scale)
         return loss
+
+
+def _group_ranks(group):
+    import torch.distributed as dist
+
+    return range(dist.get_world_size(group))
+
+
+def _gather_shards(t: torch.Tensor, dim: int, group):
+    """All-gather the shards of one matrix along ``dim``; returns (full tensor, this rank's index)."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim), dist.get_rank(group)

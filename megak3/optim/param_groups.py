@@ -170,7 +170,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> MuonWithAdamW:
         if ad:
             adam_groups.append({"params": [s.param for s in ad], "weight_decay": decay})
     muon = Muon(muon_groups, lr=cfg.lr, momentum=cfg.muon_momentum, nesterov=cfg.nesterov,
-                ns_steps=cfg.ns_steps) if muon_groups else None
+                ns_steps=cfg.ns_steps, ns_dtype=cfg.ns_dtype) if muon_groups else None
     adamw = torch.optim.AdamW(adam_groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                               eps=cfg.adam_eps) if adam_groups else None
     return MuonWithAdamW(muon, adamw, specs)

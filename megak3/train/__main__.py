@@ -31,13 +31,25 @@ def to_job(cfg: DictConfig) -> JobConfig:
 
 
 def run(cfg: DictConfig) -> dict:
+    from parallel.state import destroy_parallel, init_parallel
+
     from .trainer import Trainer
 
     job = to_job(cfg)
     run_dir = job.train.run_dir or HydraConfig.get().runtime.output_dir
-    rank = int(os.environ.get("RANK", "0"))
-    trainer = Trainer(job, run_dir, config_dict=OmegaConf.to_container(cfg, resolve=True), rank=rank)
-    result = trainer.fit()
+    pstate = init_parallel(job.parallel, model_cfg=job.model)
+    rank = pstate.rank
+    if pstate.world_size > 1:  # one run directory for the whole job: rank 0's
+        import torch.distributed as dist
+
+        box = [run_dir]
+        dist.broadcast_object_list(box, src=0)
+        run_dir = box[0]
+    try:
+        trainer = Trainer(job, run_dir, config_dict=OmegaConf.to_container(cfg, resolve=True), pstate=pstate)
+        result = trainer.fit()
+    finally:
+        destroy_parallel()
     if rank == 0:
         print(f"validation loss: {result['first_val_loss']:.4f} at the start -> "
               f"{result['final_val_loss']:.4f} after {result['steps']} steps")
@@ -55,6 +67,10 @@ def hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    if int(os.environ.get("RANK", "0")) > 0:
+        # only rank 0 writes Hydra's run directory and config copy; the others log nothing there
+        sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=none",
+                     "hydra/hydra_logging=none"]
     hydra_main()
 
 

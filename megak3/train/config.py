@@ -15,6 +15,7 @@ from ..config import ModelConfig
 from ..data.config import DataConfig
 from ..metrics.config import LoggingConfig
 from ..optim.config import OptimConfig
+from ..quant.config import QuantConfig
 
 
 @dataclass
@@ -26,7 +27,7 @@ class TrainConfig:
     global_batch_size: int = 16
     """sequences per optimizer step (summed over micro-batches and data-parallel ranks)"""
     micro_batch_size: int = 8
-    """sequences per forward/backward; global_batch_size / micro_batch_size micro-batches are accumulated"""
+    """sequences per forward/backward on each data-parallel rank; global / (micro x dp) micro-batches are accumulated"""
     seed: int = 1234
     """seed for weight init (a pure function of seed and parameter name) and any sampling"""
     precision: str = "fp32"
@@ -67,10 +68,6 @@ class TrainConfig:
         need(self.keep_last >= 1, "keep_last", "must be >= 1")
         return self
 
-    @property
-    def grad_accum(self) -> int:
-        return self.global_batch_size // self.micro_batch_size
-
 
 @dataclass
 class JobConfig:
@@ -88,6 +85,8 @@ class JobConfig:
     """console, JSONL, wandb, telemetry (conf/logging/)"""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """parallel layout (conf/parallel/)"""
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    """quantization-aware training / FP8 (conf/quant/)"""
 
     def validate(self, world_size: int = 1) -> "JobConfig":
         self.model.validate()
@@ -95,7 +94,8 @@ class JobConfig:
         self.train.validate()
         self.optim.validate(self.train.max_steps)
         self.logging.validate()
-        self.parallel.validate(world_size)
+        self.quant.validate()
+        self.parallel.validate(world_size, self.model)
         if self.data.seq_len > self.model.max_seq_len:
             raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len="
                              f"{self.model.max_seq_len}; lower data.seq_len")

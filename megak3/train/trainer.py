@@ -1,6 +1,6 @@
 """The pretraining loop: packed data -> K3 -> Muon/AdamW, Quantile Balancing, eval, checkpoints.
 
-One optimizer step = ``train.grad_accum`` micro-batches. The loss of a step is the token-weighted
+One optimizer step = ``global_batch_size / (micro_batch_size x dp)`` micro-batches per rank. The loss of a step is the token-weighted
 mean over all its micro-batches (each micro-batch backpropagates ``loss_sum / step_tokens``), so
 the gradient does not depend on how the batch is split. Quantile-Balancing biases are updated once
 per optimizer step from the router scores of every micro-batch of that step.
@@ -15,6 +15,13 @@ from typing import Optional
 
 import torch
 
+import torch.distributed as dist
+
+from parallel.data_parallel import ShardedOptimizer, consolidate_model_state, consolidate_optimizer_state, load_consolidated_state
+from parallel.moe_stats import reduce_balancer
+from parallel.parallelize import load_full_state, parallelize_tp, sync_partial_grads
+from parallel.state import ParallelState
+
 from ..data.config import resolve_dataset
 from ..data.indexed import IndexedDataset
 from ..data.packing import Batcher, PackedDataset
@@ -23,7 +30,9 @@ from ..metrics.logger import TrainLogger
 from ..metrics.telemetry import GPUTelemetry, Throughput, peak_memory_mb
 from ..model.balancing import QBAccumulator, max_violation
 from ..model.k3 import K3Model, build_model
-from ..optim import build_optimizer, lr_at, set_lr
+from ..optim import lr_at, set_lr
+from ..quant import apply_quantization
+from ..quant.te import fp8_autocast_context
 from . import checkpoint as ckpt
 from .config import JobConfig
 
@@ -37,19 +46,37 @@ def pick_device(name: str) -> torch.device:
 
 
 class Trainer:
-    def __init__(self, job: JobConfig, run_dir, config_dict: Optional[dict] = None, rank: int = 0):
+    """One rank of a training run. ``pstate`` gives the layout (tensor, sequence and data
+    parallelism); the default is one process."""
+
+    def __init__(self, job: JobConfig, run_dir, config_dict: Optional[dict] = None,
+                 pstate: Optional[ParallelState] = None):
         self.job = job
+        self.ps = ps = pstate or ParallelState.single()
+        self.rank = ps.rank
         self.run_dir = Path(run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
-        self.rank = rank
         self.config_dict = config_dict
-        t, d = job.train, job.data
+        t, d, par = job.train, job.data, job.parallel
+        for axis in ("cp", "pp", "ep", "etp"):
+            if getattr(ps, f"{axis}_size") > 1:
+                raise ValueError(f"parallel.{axis}={getattr(ps, f'{axis}_size')}: this build trains tensor, "
+                                 f"sequence and data parallel layouts; set parallel.{axis}=1")
+        rows = t.micro_batch_size * ps.dp_size
+        if t.global_batch_size % rows:
+            raise ValueError(f"train.global_batch_size={t.global_batch_size} must be a multiple of "
+                             f"train.micro_batch_size x dp = {t.micro_batch_size} x {ps.dp_size}")
+        self.grad_accum = t.global_batch_size // rows
+        self.sequence_parallel = par.sequence_parallel and ps.tp_size > 1
+        if self.sequence_parallel and d.seq_len % ps.tp_size:
+            raise ValueError(f"data.seq_len={d.seq_len} must be a multiple of parallel.tp={ps.tp_size} "
+                             "with parallel.sequence_parallel=true")
         self.device = pick_device(t.device)
         if t.threads:
             torch.set_num_threads(t.threads)
 
         # data first: a bad path fails before the model is built
-        prefix, tok_path = resolve_dataset(d)
+        prefix, tok_path = self._resolve_data()
         self.tokenizer = load_tokenizer(tok_path)
         if self.tokenizer.vocab_size > job.model.vocab_size:
             raise ValueError(f"tokenizer {tok_path} has {self.tokenizer.vocab_size} tokens but model.vocab_size="
@@ -57,37 +84,77 @@ class Trainer:
         dataset = IndexedDataset(prefix)
         pad = self.tokenizer.pad_id
         self.train_data = Batcher(PackedDataset(dataset, d.seq_len, "train", d.valid_fraction, d.seed, pad),
-                                  t.micro_batch_size)
+                                  t.micro_batch_size, ps.dp_rank, ps.dp_size)
         self._valid_packed = PackedDataset(dataset, d.seq_len, "valid", d.valid_fraction, d.seed, pad)
         self.dataset_prefix = prefix
 
         torch.manual_seed(t.seed)
-        self.model: K3Model = build_model(job.model, seed=t.seed).to(self.device)
+        # every rank builds the same full model (init is a function of seed and name), then keeps its shard
+        self.model: K3Model = build_model(job.model, seed=t.seed)
+        self.plan = parallelize_tp(self.model, ps.tp_group, self.sequence_parallel)
+        self.model.to(self.device)
+        apply_quantization(self.model, job.quant)  # QAT hooks sit where the expert weights live
         self.model.gradient_checkpointing = t.activation_checkpointing
-        self.optimizer = build_optimizer(self.model, job.optim)
+        self.optimizer = ShardedOptimizer(self.model, job.optim, ps.dp_group)
+        if ps.tp_size > 1:
+            self.optimizer.set_tensor_parallel(ps.tp_group, self.plan.shard_dim)
         mcfg = job.model.moe
         self.balancers = [QBAccumulator(mcfg.num_experts, mcfg.top_k, mcfg.qb_method, mcfg.qb_bins)
                           for _ in self.model.moe_layers()] if mcfg.balancing == "quantile" else []
+        # groups whose ranks route different tokens: QB statistics and loads are reduced over them
+        self.token_groups = [g for g in (ps.tp_group if self.sequence_parallel else None, ps.dp_group)
+                             if g is not None]
         self.step = 0
         self.history: list[dict] = []
 
-    # ---- state -------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "step": self.step, "train_data": self.train_data.state_dict(),
-                "rng": ckpt.capture_rng_state()}
+    def _resolve_data(self):
+        # rank 0 builds the demo dataset once; the others wait and then open the cached copy
+        if self.ps.world_size > 1 and self.rank != 0:
+            dist.barrier()
+            return resolve_dataset(self.job.data)
+        out = resolve_dataset(self.job.data)
+        if self.ps.world_size > 1:
+            dist.barrier()
+        return out
 
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+    def _sum(self, value: float, groups) -> float:
+        t = torch.tensor([float(value)], dtype=torch.float64)
+        for g in groups:
+            dist.all_reduce(t, group=g)
+        return float(t)
+
+    # ---- state -------------------------------------------------------------------------------
+    def consolidated_state(self) -> Optional[dict]:
+        """Layout-free training state (full tensors under single-process names); None off rank 0.
+
+        Collective: every rank must call it."""
+        ps = self.ps
+        model = consolidate_model_state(self.model, self.plan, ps.tp_group)
+        optim = consolidate_optimizer_state(self.optimizer, self.plan, ps.tp_group, ps.dp_group)
+        if self.rank != 0:
+            return None
+        return {"model": model, "optimizer": optim, "step": self.step,
+                "train_data": self.train_data.state_dict(), "rng": ckpt.capture_rng_state(),
+                "layout": {"tp": ps.tp_size, "dp": ps.dp_size, "sequence_parallel": self.sequence_parallel}}
+
+    def load_consolidated(self, state: dict) -> None:
+        """Load a layout-free state into this rank's shard of the current layout."""
+        load_full_state(self.model, state["model"], self.plan)
+        load_consolidated_state(self.optimizer, state["optimizer"], self.plan)
         self.train_data.load_state_dict(state["train_data"])
         ckpt.restore_rng_state(state["rng"])
         self.step = int(state["step"])
 
-    def save(self) -> Path:
-        meta = {"step": self.step, "dataset": str(self.dataset_prefix), "config": self.config_dict}
-        return ckpt.save_checkpoint(self.ckpt_dir, self.step, self.state_dict(), meta=meta,
-                                    keep_last=self.job.train.keep_last)
+    def save(self) -> Optional[Path]:
+        state = self.consolidated_state()
+        path = None
+        if self.rank == 0:
+            meta = {"step": self.step, "dataset": str(self.dataset_prefix), "config": self.config_dict}
+            path = ckpt.save_checkpoint(self.ckpt_dir, self.step, state, meta=meta,
+                                        keep_last=self.job.train.keep_last)
+        if self.ps.world_size > 1:
+            dist.barrier()  # nobody reads the checkpoint directory before it is complete
+        return path
 
     def maybe_resume(self) -> Optional[Path]:
         spec = self.job.train.resume
@@ -104,26 +171,32 @@ class Trainer:
                 raise ValueError(f"train.resume={spec}: not a complete checkpoint ({why}); "
                                  "use train.resume=auto to pick the newest complete one")
         state, _ = ckpt.load_checkpoint(path, map_location="cpu", weights_only=False)
-        self.load_state_dict(state)
+        self.load_consolidated(state)
         return path
 
     # ---- one optimizer step ------------------------------------------------------------------
     def _autocast(self):
+        stack = contextlib.ExitStack()
         if self.job.train.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+            stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
+        stack.enter_context(fp8_autocast_context(self.job.quant))
+        return stack
 
     def _to_device(self, batch: dict) -> dict:
         return {k: (v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
     def next_micro_batches(self) -> list:
-        return [self._to_device(next(self.train_data)) for _ in range(self.job.train.grad_accum)]
+        return [self._to_device(next(self.train_data)) for _ in range(self.grad_accum)]
 
     def accumulate_gradients(self, micro: list) -> dict:
-        """Forward/backward over one step's micro-batches; feeds the QB accumulators."""
-        model = self.model
+        """Forward/backward over one step's micro-batches; feeds the QB accumulators.
+
+        Each micro-batch backpropagates its share of the GLOBAL token mean (tokens summed over the
+        data-parallel group), so gradients are summed, never averaged, across micro-batches and ranks."""
+        model, ps = self.model, self.ps
         model.train()
-        step_tokens = sum(int((b["labels"] != -100).sum()) for b in micro)
+        local_tokens = sum(int((b["labels"] != -100).sum()) for b in micro)
+        step_tokens = self._sum(local_tokens, [ps.dp_group] if ps.dp_group is not None else [])
         loads, loss_sum = None, 0.0
         biases = [m.gate.e_score_correction_bias for m in model.moe_layers()]
         for b in micro:
@@ -136,22 +209,29 @@ class Trainer:
                 loads = counts if loads is None else loads + counts
             for acc, st, bias in zip(self.balancers, out.moe_stats, biases):
                 acc.add(st.scores_TE, bias)
+        sync_partial_grads(model, self.plan, ps.tp_group)
+        loss_sum = self._sum(loss_sum, [ps.dp_group] if ps.dp_group is not None else [])
+        if loads is not None:
+            for g in self.token_groups:
+                dist.all_reduce(loads, group=g)
         maxvio = float(sum(max_violation(l) for l in loads) / len(loads)) if loads is not None else 0.0
-        return {"loss": loss_sum / max(step_tokens, 1), "expert_load_max_violation": maxvio,
-                "tokens": sum(b["input_ids"].numel() for b in micro)}
+        tokens = sum(b["input_ids"].numel() for b in micro) * ps.dp_size
+        return {"loss": loss_sum / max(step_tokens, 1), "expert_load_max_violation": maxvio, "tokens": tokens}
 
     def optimizer_step(self) -> dict:
-        """Clip, schedule, Muon/AdamW step, then the Quantile-Balancing bias update."""
+        """Reduce over DP, clip by the global norm, Muon/AdamW step, then the Quantile-Balancing update."""
         job, opt = self.job, self.optimizer
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        opt.reduce_gradients()
         clip = job.optim.grad_clip
-        gnorm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        gnorm = opt.clip_grad_norm_(clip if clip > 0 else float("inf"))
         lr = lr_at(self.step, job.optim, job.train.max_steps)
         set_lr(opt, lr)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        with torch.no_grad():  # new selection biases for the next step
+        with torch.no_grad():  # new selection biases for the next step, identical on every rank
             for acc, m in zip(self.balancers, self.model.moe_layers()):
+                for g in self.token_groups:
+                    reduce_balancer(acc, g)
                 bias = m.gate.e_score_correction_bias
                 bias.copy_(acc.solve(bias))
                 acc.reset()
@@ -165,18 +245,23 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Token-weighted validation loss over the first ``train.eval_batches`` validation micro-batches."""
+        """Token-weighted validation loss over ``train.eval_batches`` micro-batches per DP rank.
+
+        Every rank runs the same number of batches (the validation stream wraps), so the
+        collectives inside the model line up."""
         self.model.eval()
-        batches = iter(Batcher(self._valid_packed, self.job.train.micro_batch_size, loop=False))
+        batches = iter(Batcher(self._valid_packed, self.job.train.micro_batch_size, self.ps.dp_rank,
+                               self.ps.dp_size))
         total, n = 0.0, 0
-        for _, b in zip(range(max(1, self.job.train.eval_batches)), batches):
-            b = self._to_device(b)
+        for _ in range(max(1, self.job.train.eval_batches)):
+            b = self._to_device(next(batches))
             with self._autocast():
                 out = self.model(b["input_ids"], labels=b["labels"], cu_seqlens=b.get("cu_seqlens"))
             total += out.loss_sum.item()
             n += out.num_tokens
         self.model.train()
-        return total / max(n, 1)
+        groups = [self.ps.dp_group] if self.ps.dp_group is not None else []
+        return self._sum(total, groups) / max(self._sum(n, groups), 1)
 
     # ---- the loop ----------------------------------------------------------------------------
     def fit(self) -> dict:

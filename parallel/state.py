@@ -1,0 +1,157 @@
+"""Process groups of a layout: `ParallelState` (immutable) and `init_parallel` / `destroy_parallel`.
+
+The groups are passed explicitly to whoever needs them (no globals). An axis of size 1 has no group
+(`None`, size 1, rank 0), so a collective on it is skipped at no cost.
+
+    state = init_parallel(job.parallel)           # under torchrun, or plain python (one process)
+    state.tp_group, state.tp_size, state.tp_rank   # e.g. <ProcessGroup>, 4, 1
+    destroy_parallel()
+
+Axes (group ranks from parallel/grid.py): dense tp, cp, dp, pp, dp_cp, tp_cp, tp_dp_cp; expert
+etp, ep, edp, ep_etp (pp is shared by both grids).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from parallel.config import ParallelConfig
+from parallel.grid import Layout
+
+__all__ = ["AXES", "ParallelState", "destroy_parallel", "init_parallel"]
+
+AXES = ("tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "tp_dp_cp", "etp", "ep", "edp", "ep_etp")
+"""attribute prefixes of ParallelState; grid.py spells composites with '-' (dp_cp <-> 'dp-cp')"""
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """Every process group of one rank, with the group's size and this rank's index in it."""
+
+    layout: Layout
+    rank: int = 0
+    world_size: int = 1
+    # dense grid
+    tp_group: Optional[ProcessGroup] = None
+    tp_size: int = 1
+    tp_rank: int = 0
+    cp_group: Optional[ProcessGroup] = None
+    cp_size: int = 1
+    cp_rank: int = 0
+    dp_group: Optional[ProcessGroup] = None
+    dp_size: int = 1
+    dp_rank: int = 0
+    pp_group: Optional[ProcessGroup] = None
+    pp_size: int = 1
+    pp_rank: int = 0
+    dp_cp_group: Optional[ProcessGroup] = None
+    """data-parallel replicas of the dense weights (gradients reduce over dp and cp together)"""
+    dp_cp_size: int = 1
+    dp_cp_rank: int = 0
+    tp_cp_group: Optional[ProcessGroup] = None
+    tp_cp_size: int = 1
+    tp_cp_rank: int = 0
+    tp_dp_cp_group: Optional[ProcessGroup] = None
+    tp_dp_cp_size: int = 1
+    tp_dp_cp_rank: int = 0
+    # expert grid
+    etp_group: Optional[ProcessGroup] = None
+    etp_size: int = 1
+    etp_rank: int = 0
+    ep_group: Optional[ProcessGroup] = None
+    ep_size: int = 1
+    ep_rank: int = 0
+    edp_group: Optional[ProcessGroup] = None
+    """data-parallel replicas of the routed-expert weights"""
+    edp_size: int = 1
+    edp_rank: int = 0
+    ep_etp_group: Optional[ProcessGroup] = None
+    """ranks that together hold one copy of all routed experts (token dispatch)"""
+    ep_etp_size: int = 1
+    ep_etp_rank: int = 0
+
+    @staticmethod
+    def single() -> "ParallelState":
+        """One process: every group None, every size 1, every rank 0."""
+        return ParallelState(layout=Layout(world_size=1))
+
+    def group(self, axis: str) -> Optional[ProcessGroup]:
+        """The group of `axis` ('tp', 'dp_cp', 'dp-cp', ...)."""
+        return getattr(self, f"{axis.replace('-', '_')}_group")
+
+
+def _grid_groups(layout: Layout) -> dict:
+    """{state axis: rank groups} for every axis, in a fixed order (every rank creates them alike)."""
+    dense, expert = layout.dense_groups(), layout.expert_groups()
+    out = {a: dense[a.replace("_", "-")] for a in AXES[:7]}
+    out.update({a: expert[a.replace("_", "-")] for a in AXES[7:]})
+    return out
+
+
+def _resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return backend
+
+
+def init_parallel(cfg: ParallelConfig, backend: Optional[str] = None,
+                  timeout_s: Optional[float] = None, model_cfg=None,
+                  init_method: str = "env://") -> ParallelState:
+    """Create every process group of `cfg`'s layout; return this rank's ParallelState.
+
+    cfg: the layout (dp=0 derives dp from the world size).
+    backend: overrides cfg.backend ('auto': nccl on CUDA, gloo on CPU).
+    timeout_s: overrides cfg.timeout_s; bounds the rendezvous and every collective of every group.
+    model_cfg: when given, the layout's divisibility against the model is checked first.
+    init_method: rendezvous when torch.distributed is not initialised yet; RANK and WORLD_SIZE
+        come from the environment (torchrun sets them). Without WORLD_SIZE, or with WORLD_SIZE=1,
+        and no initialised process group, this returns a one-process state (every group None,
+        as ParallelState.single()) after checking that cfg fits one rank.
+
+    The layout is validated before any process group exists. Every rank calls dist.new_group for
+    every group of every axis, in the same order, including groups it is not in (new_group is
+    collective over the world); identical rank lists share one group, size-1 axes get none.
+    """
+    backend = _resolve_backend(backend or cfg.backend)
+    timeout = timedelta(seconds=timeout_s if timeout_s is not None else cfg.timeout_s)
+    if dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    layout = cfg.validate(world_size, model_cfg).to_layout(world_size)
+    if world_size == 1 and not dist.is_initialized():
+        return ParallelState(layout=layout)
+    if not dist.is_initialized():
+        if backend == "nccl" and "LOCAL_RANK" in os.environ:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=timeout)
+
+    fields: dict = {}
+    made: dict = {}  # tuple(ranks) -> group, so identical axes share one communicator
+    coords = layout.coords(rank)
+    for axis, groups in _grid_groups(layout).items():
+        size = len(groups[0])
+        fields[f"{axis}_size"] = size
+        fields[f"{axis}_rank"] = coords[axis.replace("_", "-")]
+        if size == 1:
+            continue
+        for ranks in groups:
+            key = tuple(ranks)
+            if key not in made:
+                made[key] = dist.new_group(list(ranks), timeout=timeout)
+            if rank in ranks:
+                fields[f"{axis}_group"] = made[key]
+    return ParallelState(layout=layout, rank=rank, world_size=world_size, **fields)
+
+
+def destroy_parallel() -> None:
+    """Destroy every process group (the default one included); a no-op when none exists."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

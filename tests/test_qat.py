@@ -1,0 +1,284 @@
+"""K3-style QAT (megak3/quant/qat.py), the FP8 dense-linear paths (megak3/quant/te.py) and the MXFP4
+export (tools/export_mxfp4.py), each against an explicitly fake-quantized independent computation."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import SMALL_MODEL
+from megak3.config import load_model_config
+from megak3.model.k3 import build_model
+from megak3.model.moe import GroupedExperts
+from megak3.ops.situ import situ_glu
+from megak3.quant import QuantConfig, apply_quantization, mx
+from megak3.quant.qat import MXFakeQuant, expert_modules, set_expert_qat
+from megak3.quant.te import MXFP8Linear, TE_MISSING, dense_linear_names, te_available
+
+FP4, FP8 = "fp4_e2m1", "fp8_e4m3"
+QAT = QuantConfig(qat="mxfp4_experts")
+
+
+def fq(x, fmt, mode="floor"):
+    """Explicit dequantize(quantize(x)) through the packed representation."""
+    return mx.dequantize(*mx.quantize(x, fmt, 32, mode), fmt, 32, x.dtype)
+
+
+def small_model(seed=0, **over):
+    return build_model(load_model_config("k3_tiny", **{**SMALL_MODEL, **over}), seed=seed)
+
+
+def tokens(seed=0, B=2, T=32, V=512):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, V, (B, T), generator=g)
+
+
+# ---- GroupedExperts under QAT ----------------------------------------------------------------
+
+def _experts_case(mode="floor"):
+    torch.manual_seed(0)
+    ex = GroupedExperts(num_experts=4, latent_size=64, intermediate_size=96)
+    ex.use_grouped_mm = False
+    set_expert_qat(ex, True, mode)
+    counts = torch.tensor([7, 0, 20, 13])
+    z = (torch.randn(int(counts.sum()), 64) * 3).requires_grad_()
+    return ex, z, counts
+
+
+def _explicit_forward(W1, W3, W2, Z, counts, hq_leaf=None, mode="floor"):
+    """Per-expert loop on given (already quantized) tensors; returns (y, h, Hq)."""
+    outs_h, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        rows = Z[start:start + n]; start += n
+        outs_h.append(situ_glu(rows @ W1[e].T, rows @ W3[e].T))
+    h = torch.cat(outs_h)
+    Hq = fq(h.detach(), FP8, mode).requires_grad_() if hq_leaf is None else hq_leaf
+    ys, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            ys.append(Hq[start:start + n] @ W2[e].T)
+        start += n
+    return torch.cat(ys), h, Hq
+
+
+@pytest.mark.parametrize("mode", ["floor", "rceil"])
+def test_qat_forward_matches_explicit_fake_quant(mode):
+    ex, z, counts = _experts_case(mode)
+    y = ex(z, counts)
+    W1, W3, W2 = (fq(w.detach(), FP4, mode) for w in (ex.w1, ex.w3, ex.w2))
+    y_ref, _, _ = _explicit_forward(W1, W3, W2, fq(z.detach(), FP8, mode), counts, mode=mode)
+    assert torch.equal(y, y_ref)
+    assert not torch.equal(y, GroupedExperts.forward(_plain(ex), z, counts))   # QAT does something
+
+
+def _plain(ex):
+    """A hook-free copy sharing ex's parameters."""
+    twin = GroupedExperts(ex.num_experts, ex.w1.shape[2], ex.w1.shape[1])
+    twin.w1, twin.w3, twin.w2 = ex.w1, ex.w3, ex.w2
+    twin.use_grouped_mm = False
+    return twin
+
+
+def test_qat_gradients_are_straight_through():
+    """d/d(master) == d/d(quantized tensor) of the explicitly fake-quantized graph."""
+    ex, z, counts = _experts_case()
+    G = torch.randn(z.shape[0], 64)
+    (ex(z, counts) * G).sum().backward()
+    leaves = [fq(w.detach(), FP4).requires_grad_() for w in (ex.w1, ex.w3, ex.w2)]
+    Zq = fq(z.detach(), FP8).requires_grad_()
+    y, h, Hq = _explicit_forward(*leaves, Zq, counts)
+    gW2, gHq = torch.autograd.grad((y * G).sum(), (leaves[2], Hq))
+    gW1, gW3, gZ = torch.autograd.grad(h, (leaves[0], leaves[1], Zq), gHq)   # STE through fq(h)
+    for got, want in ((ex.w1.grad, gW1), (ex.w3.grad, gW3), (ex.w2.grad, gW2), (z.grad, gZ)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert ex.w1.dtype == torch.float32                                      # masters stay fp32
+
+
+def test_expert_weight_error_within_format_bounds():
+    """Worst case: every MXFP4 element is within amax_block/4 of its input (FLOOR: amax in [4X, 8X),
+    grid half-gaps <= X, saturation (6X, 8X) -> 6X loses < amax/4). Typical: E2M1 has 1 mantissa bit,
+    relative rounding error ~U(+-1/4) of a value -> RMS ~ 0.25/sqrt(3) = 0.144 for values in the normal
+    range; near-zero values cost less in norm, so Gaussian weights land below 0.144."""
+    m = small_model()
+    apply_quantization(m, QAT)
+    for ex in expert_modules(m):
+        for w in (ex.w1, ex.w3, ex.w2):
+            w = w.detach()
+            err = ex.weight_quant(w) - w
+            amax = w.reshape(*w.shape[:-1], -1, 32).abs().amax(-1, keepdim=True)
+            assert (err.reshape(amax.shape[:-1] + (32,)).abs() <= amax / 4).all()
+            assert (err.norm() / w.norm()).item() < 0.144
+            # MXFP8 (3 mantissa bits): the same argument gives 2^-4/sqrt(3) = 0.036
+            assert ((ex.act_quant(w) - w).norm() / w.norm()).item() < 0.036
+
+
+# ---- the whole model -------------------------------------------------------------------------
+
+def _capture(model, names):
+    out = {}
+    hooks = [model.get_submodule(n).register_forward_hook(
+        lambda mod, inp, o, n=n: out.__setitem__(n, (o[0] if isinstance(o, tuple) else o).detach().clone()))
+        for n in names]
+    return out, hooks
+
+
+def test_switching_qat_on_changes_only_the_experts():
+    m = small_model()
+    x = tokens()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    names = ["layers.0.self_attn", "layers.0.mlp", "layers.1.self_attn", "layers.1.mlp.gate",
+             "layers.1.mlp.routed_expert_down_proj", "layers.1.mlp.shared_experts", "layers.1.mlp.experts"]
+    ref, hooks = _capture(m, names)
+    with torch.no_grad():
+        logits_fp = m(x).logits
+    for h in hooks:
+        h.remove()
+    apply_quantization(m, QAT)                        # switch on an existing (e.g. resumed) model
+    got, hooks = _capture(m, names)
+    with torch.no_grad():
+        logits_q = m(x).logits
+    for n in names[:-1]:
+        assert torch.equal(got[n], ref[n]), n         # upstream of the first experts: bit-identical
+    rel = ((got["layers.1.mlp.experts"] - ref["layers.1.mlp.experts"]).norm()
+           / ref["layers.1.mlp.experts"].norm()).item()
+    assert 1e-3 < rel < 0.3
+    assert not torch.equal(logits_q, logits_fp)
+    assert m.state_dict().keys() == before.keys()     # checkpoints stay interchangeable
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+    for h in hooks:
+        h.remove()
+    apply_quantization(m, QuantConfig())              # and off again: back to the exact fp forward
+    with torch.no_grad():
+        assert torch.equal(m(x).logits, logits_fp)
+
+
+def _train(model, steps=12, seed=0):
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    x = tokens(seed, B=4, T=32)
+    losses = []
+    for _ in range(steps):
+        loss = model(x[:, :-1], labels=x[:, 1:]).loss
+        opt.zero_grad(); loss.backward(); opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_short_qat_run_learns_and_tracks_full_precision():
+    fp = _train(small_model(seed=3))
+    q = _train(apply_quantization(small_model(seed=3), QAT))
+    assert q[0] == pytest.approx(fp[0], rel=1e-2)     # same init, QAT barely moves the start
+    assert q[-1] < 0.8 * q[0]                         # it learns (memorises the fixed batch)
+    assert abs(q[-1] - fp[-1]) < 0.1 * fp[-1]         # and stays close to the fp32 run
+    assert q != fp                                    # but QAT really was active
+
+
+def test_qat_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="quant.qat='mxfp4'"):
+        QuantConfig(qat="mxfp4").validate()
+    with pytest.raises(ValueError, match="quant.fp8"):
+        QuantConfig(fp8="fp8").validate()
+    m = small_model(**{"moe.latent_size": 48})
+    with pytest.raises(ValueError, match="model.moe.latent_size=48"):
+        apply_quantization(m, QAT)
+
+
+def test_hooks_are_picklable_callables():
+    import pickle
+
+    q = MXFakeQuant(FP4, 32, "rceil")
+    assert pickle.loads(pickle.dumps(q)) == q and "rceil" in repr(q)
+
+
+# ---- FP8 dense linears -----------------------------------------------------------------------
+
+def test_fp8_emulate_converts_exactly_the_dense_linears():
+    m = small_model()
+    x = tokens()
+    with torch.no_grad():
+        ref = m(x).logits
+    params = dict(m.named_parameters())
+    apply_quantization(m, QuantConfig(fp8="emulate"))
+    names = dense_linear_names(m)
+    kinds = {n.split(".", 2)[2] for n in names}
+    # attention (KDA + MLA), dense FFN, shared experts, latent projections ...
+    assert {"self_attn.q_proj", "self_attn.o_proj", "self_attn.q_a_proj", "self_attn.q_b_proj",
+            "mlp.gate_proj", "mlp.down_proj", "mlp.shared_experts.up_proj",
+            "mlp.routed_expert_down_proj", "mlp.routed_expert_up_proj"} <= kinds
+    # ... but not the AttnRes queries, the per-head beta projection [H, D] or misaligned low-rank ones
+    # (kv_b_proj has in=kv_lora_rank=16 here, not one 32-block)
+    assert not kinds & {"attn_res.proj", "mlp_res.proj", "self_attn.b_proj", "self_attn.kv_b_proj"}
+    assert all(isinstance(m.get_submodule(n), MXFP8Linear) for n in names)
+    assert type(m.lm_head) is torch.nn.Linear and type(m.layers[0].self_attn.b_proj) is torch.nn.Linear
+    assert all(p is params[k] for k, p in m.named_parameters())          # same Parameter objects
+    lin = m.get_submodule(names[0])
+    a = torch.randn(5, lin.in_features)
+    assert torch.equal(lin(a), F.linear(fq(a, FP8), fq(lin.weight.detach(), FP8)))
+    out = m(x).logits
+    rel = ((out - ref).norm() / ref.norm()).item()
+    # each MXFP8 GEMM is ~4% off (x and W each ~2.9%, in quadrature); ~50 of them feed the logits of
+    # this random-init model, and independent errors add in quadrature: sqrt(50) * 0.04 ~ 0.28
+    assert 0.01 < rel < 0.5
+    out.sum().backward()
+    assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
+    apply_quantization(m, QuantConfig())                                  # revert
+    assert not any(isinstance(mod, MXFP8Linear) for mod in m.modules())
+    with torch.no_grad():
+        assert torch.equal(m(x).logits, ref)
+
+
+@pytest.mark.skipif(te_available(), reason="Transformer Engine and CUDA are present")
+def test_fp8_te_without_te_or_cuda_raises_clearly():
+    from megak3.quant.te import fp8_autocast_context
+
+    with pytest.raises(ValueError, match="use quant.fp8=emulate on CPU"):
+        apply_quantization(small_model(), QuantConfig(fp8="te"))
+    with pytest.raises(ValueError, match=TE_MISSING.split(";")[0]):
+        fp8_autocast_context(QuantConfig(fp8="te"))
+
+
+# ---- MXFP4 export ----------------------------------------------------------------------------
+
+def _export_tool():
+    path = Path(__file__).resolve().parents[1] / "tools" / "export_mxfp4.py"
+    spec = importlib.util.spec_from_file_location("export_mxfp4", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("mode", ["floor", "rceil"])
+def test_export_round_trips_to_the_qat_forward_weights(tmp_path, mode):
+    pytest.importorskip("safetensors")
+    from megak3.train.checkpoint import save_checkpoint
+
+    tool = _export_tool()
+    m = small_model(seed=5)
+    save_checkpoint(tmp_path / "ckpt", 7, {"model": m.state_dict()},
+                    meta={"config": {"quant": {"scale_mode": mode}}})
+    out, n = tool.export_mxfp4(tmp_path / "ckpt", tmp_path / "experts.safetensors")
+    cfg = m.config
+    E, moe_layers = cfg.moe.num_experts, [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    assert n == len(moe_layers) * E * 3 * 2
+    from safetensors.torch import load_file
+
+    raw = load_file(str(out))
+    L, mm = cfg.moe.latent_size, cfg.moe.expert_intermediate_size
+    base = f"language_model.model.layers.{moe_layers[0]}.block_sparse_moe.experts.3"
+    assert raw[f"{base}.w1.weight_packed"].shape == (mm, L // 2) and raw[f"{base}.w1.weight_packed"].dtype == torch.uint8
+    assert raw[f"{base}.w2.weight_scale"].shape == (L, mm // 32)
+    loaded = tool.load_mxfp4_experts(out)
+    assert sorted(loaded) == moe_layers
+    apply_quantization(m, QuantConfig(qat="mxfp4_experts", scale_mode=mode))
+    twin = small_model(seed=5)
+    apply_quantization(twin, QuantConfig(qat="mxfp4_experts", scale_mode=mode))
+    for i in moe_layers:
+        ex, tex = m.layers[i].mlp.experts, twin.layers[i].mlp.experts
+        for w, w_exp in zip((ex.w1, ex.w3, ex.w2), loaded[i]):
+            assert torch.equal(ex.weight_quant(w.detach()), w_exp)
+        with torch.no_grad():                     # the twin runs the exported weights as they are
+            tex.w1.copy_(loaded[i][0]); tex.w3.copy_(loaded[i][1]); tex.w2.copy_(loaded[i][2])
+        tex.weight_quant = None
+    x = tokens()
+    with torch.no_grad():
+        assert torch.equal(twin(x).logits, m(x).logits)

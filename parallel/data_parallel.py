@@ -607,7 +607,13 @@ def consolidate_optimizer_state(sharded_opt: ShardedOptimizer, plan: TPPlan | No
             return None
     else:
         pieces = [mine]
-    shard_dim = {} if plan is None else plan.shard_dim
+    return merge_optimizer_exports(pieces, {} if plan is None else plan.shard_dim, tp)
+
+
+def merge_optimizer_exports(pieces: list, shard_dim: dict, tp: int) -> dict:
+    """Merge ``(tp_rank, export_state())`` pieces of every rank into the full canonical state:
+    DP owners' entries united, TP shards concatenated along ``shard_dim``. Used on gathered pieces
+    (:func:`consolidate_optimizer_state`) and on the per-rank parts of a checkpoint."""
     by_name: dict[str, dict[int, tuple]] = {}
     for tp_rank, exp in pieces:
         for name, st in exp["state"].items():

@@ -2,18 +2,10 @@
 import pytest
 import torch
 
-from parallel.parity import run_steps
+from parallel.parity import PARITY_MODEL as MODEL, run_steps
 from parallel.testing import run_distributed
 
-# k3_tiny's structure at widths where every head count divides tp=4.
-MODEL = {
-    "hidden_size": 64, "dense_intermediate_size": 128,
-    "kda.num_heads": 4, "kda.head_dim": 16, "kda.gate_rank": 8, "kda.chunk_size": 16,
-    "mla.num_heads": 4, "mla.q_lora_rank": 32, "mla.kv_lora_rank": 16, "mla.qk_nope_head_dim": 8,
-    "mla.qk_rope_head_dim": 8, "mla.v_head_dim": 8,
-    "moe.num_experts": 8, "moe.top_k": 2, "moe.expert_intermediate_size": 32, "moe.latent_size": 32,
-    "vision.enabled": False, "vocab_size": 512,
-}
+
 STEPS = 5
 # Relative L2 error of the whole gradient (all parameters concatenated) and of each parameter.
 # fp32 sums over different partitions round differently; small, cancelling gradients (e.g. a

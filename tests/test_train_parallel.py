@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from test_parity_tp import MODEL
+from parallel.parity import PARITY_MODEL as MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -20,7 +20,7 @@ def _run(run_dir, nproc, *args):
     common = [f"data.path={prefix}", f"data.tokenizer={tok}", "data.seq_len=32", "data.valid_fraction=0.1",
               f"train.run_dir={run_dir}", "train.global_batch_size=4", "train.micro_batch_size=1",
               "train.eval_batches=1", "train.eval_interval=0", "train.save_interval=2", "train.seed=3",
-              "optim.warmup_steps=1", "optim.ns_dtype=float32", "logging.progress_bar=false",
+              "optim.warmup_steps=1", "optim.lr=1e-3", "optim.ns_dtype=float32", "logging.progress_bar=false",
               "logging.wandb=false", f"hydra.run.dir={run_dir}/hydra"]
     common += [f"model.{k}={v}" for k, v in MODEL.items()]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")

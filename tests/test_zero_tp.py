@@ -18,10 +18,11 @@ from parallel.data_parallel import (CANONICAL_FORMAT, ShardedOptimizer, consolid
 from parallel.parallelize import TPPlan, canonical_name, load_full_state, parallelize_tp, sync_partial_grads
 from parallel.parity import global_batch, local_rows, make_groups, run_steps
 from parallel.testing import run_distributed
-from tests.test_parity_tp import MODEL
+from parallel.parity import PARITY_MODEL as MODEL
 
 STEPS = 4
-OCFG = OptimConfig(lr=3e-3, warmup_steps=0, grad_clip=1.0, schedule="constant", ns_dtype="float32")
+OCFG = OptimConfig(lr=1e-3,  # = parallel.parity.run_steps default
+                   warmup_steps=0, grad_clip=1.0, schedule="constant", ns_dtype="float32")
 LOSS_TOL = 1e-4
 NORM_RTOL = 1e-5
 TRAJ_NORM_RTOL = 1e-4

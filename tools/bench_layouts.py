@@ -20,14 +20,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-MODEL = {  # k3_tiny structure; widths divisible by tp=4
-    "hidden_size": 128, "dense_intermediate_size": 256,
-    "kda.num_heads": 4, "kda.head_dim": 32, "kda.gate_rank": 16, "kda.chunk_size": 32,
-    "mla.num_heads": 4, "mla.q_lora_rank": 64, "mla.kv_lora_rank": 32, "mla.qk_nope_head_dim": 16,
-    "mla.qk_rope_head_dim": 8, "mla.v_head_dim": 16,
-    "moe.num_experts": 16, "moe.top_k": 2, "moe.expert_intermediate_size": 64, "moe.latent_size": 64,
-    "vision.enabled": False, "vocab_size": 2048,
-}
+def model_overrides():
+    """The parity-test model (parallel.parity.PARITY_MODEL) at twice its widths."""
+    from parallel.parity import PARITY_MODEL
+
+    return {**PARITY_MODEL, "hidden_size": 128, "dense_intermediate_size": 256, "kda.head_dim": 32,
+            "kda.gate_rank": 16, "kda.chunk_size": 32, "mla.q_lora_rank": 64, "mla.kv_lora_rank": 32,
+            "mla.qk_nope_head_dim": 16, "moe.num_experts": 16, "moe.expert_intermediate_size": 64,
+            "moe.latent_size": 64, "vocab_size": 2048}
 
 
 def measure(rank, world, tp, dp, sp, steps, seqlen, batch):
@@ -44,7 +44,7 @@ def measure(rank, world, tp, dp, sp, steps, seqlen, batch):
     tp_group = dp_group = None
     if world > 1:
         tp_group, dp_group = make_groups(tp, dp)
-    cfg = load_model_config("k3_tiny", **MODEL)
+    cfg = load_model_config("k3_tiny", **model_overrides())
     model = build_model(cfg, seed=0)
     plan = parallelize_tp(model, tp_group, sequence_parallel=sp)
     opt = ShardedOptimizer(model, OptimConfig(ns_dtype="float32"), dp_group)

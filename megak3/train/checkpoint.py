@@ -154,17 +154,47 @@ def save_checkpoint(root, step: int, state: dict[str, Any], meta: Optional[dict]
         raise ValueError(f"checkpoint meta must be JSON-serialisable ({e}); put tensors in `state` "
                          f"and convert config objects with dataclasses.asdict") from e
 
+    staging = prepare_staging(root, step)
+    return commit_checkpoint(root, step, staging, state, meta=meta, keep_last=keep_last)
+
+
+def prepare_staging(root, step: int) -> Path:
+    """Create the (empty) staging directory of checkpoint ``step`` and return it.
+
+    Multi-rank saves: one rank calls this, every rank writes its part with :func:`write_part`
+    into it, and the same rank then calls :func:`commit_checkpoint` with the parts' entries.
+    Stale staging directories of crashed saves are removed first.
+    """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale(root)
-    name = step_dirname(step)
-    final = root / name
-    tmp = root / f".tmp-{name}-{os.getpid()}"
+    tmp = root / f".tmp-{step_dirname(step)}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    return tmp
 
-    files = {STATE_FILE: _write_torch_file(tmp / STATE_FILE, state)}
+
+def write_part(staging, filename: str, obj: Any) -> dict:
+    """torch.save one part (e.g. a rank's shard) into a staging directory; returns its manifest entry."""
+    if "/" in filename or filename in (STATE_FILE, MANIFEST_NAME):
+        raise ValueError(f"checkpoint part name {filename!r} must be a plain file name other than "
+                         f"{STATE_FILE} and {MANIFEST_NAME}")
+    return _write_torch_file(Path(staging) / filename, obj)
+
+
+def commit_checkpoint(root, step: int, staging, state: dict[str, Any], parts: Optional[dict] = None,
+                      meta: Optional[dict] = None, keep_last: Optional[int] = None) -> Path:
+    """Write ``state`` and the manifest (listing ``parts``: name -> entry from write_part) into
+    ``staging``, rename it to ``root/step_<step>/`` and point ``latest`` at it. Returns the path."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"checkpoint step={step!r} must be a non-negative int")
+    root, tmp = Path(root), Path(staging)
+    meta = dict(meta or {})
+    name = step_dirname(step)
+    final = root / name
+    files = dict(parts or {})
+    files[STATE_FILE] = _write_torch_file(tmp / STATE_FILE, state)
     manifest = {"format_version": FORMAT_VERSION, "step": step, "files": files,
                 "meta": meta, "created_unix": time.time()}
     # The manifest goes last: a directory whose manifest parses had all its files written first.
@@ -187,6 +217,11 @@ def save_checkpoint(root, step: int, state: dict[str, Any], meta: Optional[dict]
     if keep_last is not None:
         _prune(root, keep_last, protect=final)
     return final
+
+
+def load_part(path, filename: str, map_location="cpu", weights_only: bool = True):
+    """Load one part of a checkpoint that :func:`load_checkpoint` has validated."""
+    return torch.load(Path(path) / filename, map_location=map_location, weights_only=weights_only)
 
 
 def _prune(root: Path, keep_last: int, protect: Path) -> None:

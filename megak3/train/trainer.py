@@ -17,9 +17,9 @@ import torch
 
 import torch.distributed as dist
 
-from parallel.data_parallel import ShardedOptimizer, consolidate_model_state, consolidate_optimizer_state, load_consolidated_state
+from parallel.data_parallel import ShardedOptimizer, load_consolidated_state, merge_optimizer_exports
 from parallel.moe_stats import reduce_balancer
-from parallel.parallelize import load_full_state, parallelize_tp, sync_partial_grads
+from parallel.parallelize import canonical_name, load_full_state, parallelize_tp, sync_partial_grads
 from parallel.state import ParallelState
 
 from ..data.config import resolve_dataset
@@ -124,37 +124,69 @@ class Trainer:
         return float(t)
 
     # ---- state -------------------------------------------------------------------------------
-    def consolidated_state(self) -> Optional[dict]:
-        """Layout-free training state (full tensors under single-process names); None off rank 0.
+    # A checkpoint holds one part per rank (``rank_XXXXX.pt``: the rank's TP shard of the weights
+    # when it is DP rank 0, and the optimizer state of the parameters it owns under ZeRO-1) plus a
+    # common ``state.pt`` (step, data position, RNG, layout). Every part is written by its own
+    # rank; rank 0 commits the directory atomically once all parts are on disk. Loading merges the
+    # parts into full tensors under single-process names, so any layout (or one process) resumes.
+    def _part(self) -> dict:
+        ps, plan = self.ps, self.plan
+        model = {}
+        if ps.dp_rank == 0:  # DP replicas hold identical weights: one copy per TP shard is enough
+            model = {canonical_name(k): v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        optim = self.optimizer.export_state(canonical=True)
+        optim["state"] = {n: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in st.items()}
+                          for n, st in optim["state"].items()}
+        return {"tp_rank": ps.tp_rank, "tp_size": ps.tp_size, "dp_rank": ps.dp_rank,
+                "shard_dim": dict(plan.shard_dim), "model": model, "optimizer": optim}
 
-        Collective: every rank must call it."""
-        ps = self.ps
-        model = consolidate_model_state(self.model, self.plan, ps.tp_group)
-        optim = consolidate_optimizer_state(self.optimizer, self.plan, ps.tp_group, ps.dp_group)
-        if self.rank != 0:
-            return None
-        return {"model": model, "optimizer": optim, "step": self.step,
-                "train_data": self.train_data.state_dict(), "rng": ckpt.capture_rng_state(),
-                "layout": {"tp": ps.tp_size, "dp": ps.dp_size, "sequence_parallel": self.sequence_parallel}}
+    def save(self) -> Optional[Path]:
+        """Collective: every rank writes its part, rank 0 commits. Returns the path on rank 0."""
+        multi = self.ps.world_size > 1
+        box = [ckpt.prepare_staging(self.ckpt_dir, self.step) if self.rank == 0 else None]
+        if multi:
+            dist.broadcast_object_list(box, src=0)
+        entry = ckpt.write_part(box[0], f"rank_{self.rank:05d}.pt", self._part())
+        entries = [None] * self.ps.world_size if self.rank == 0 else None
+        if multi:
+            dist.gather_object((self.rank, entry), entries, dst=0)
+        else:
+            entries = [(0, entry)]
+        path = None
+        if self.rank == 0:
+            common = {"step": self.step, "train_data": self.train_data.state_dict(),
+                      "rng": ckpt.capture_rng_state(), "world_size": self.ps.world_size,
+                      "layout": {"tp": self.ps.tp_size, "dp": self.ps.dp_size,
+                                 "sequence_parallel": self.sequence_parallel}}
+            meta = {"step": self.step, "dataset": str(self.dataset_prefix), "config": self.config_dict}
+            parts = {f"rank_{r:05d}.pt": e for r, e in entries}
+            path = ckpt.commit_checkpoint(self.ckpt_dir, self.step, box[0], common, parts=parts, meta=meta,
+                                          keep_last=self.job.train.keep_last)
+        if multi:
+            dist.barrier()  # nobody reads the checkpoint directory before it is complete
+        return path
 
-    def load_consolidated(self, state: dict) -> None:
-        """Load a layout-free state into this rank's shard of the current layout."""
-        load_full_state(self.model, state["model"], self.plan)
-        load_consolidated_state(self.optimizer, state["optimizer"], self.plan)
+    def load(self, path: Path) -> None:
+        """Merge a checkpoint's per-rank parts into full tensors and load this rank's shard."""
+        state, manifest = ckpt.load_checkpoint(path, map_location="cpu", weights_only=False)
+        parts = [ckpt.load_part(path, name, weights_only=False)
+                 for name in sorted(manifest["files"]) if name.startswith("rank_")]
+        tp = parts[0]["tp_size"]
+        shard_dim = parts[0]["shard_dim"]
+        model_parts = sorted((p["tp_rank"], p["model"]) for p in parts if p["model"])
+        if [r for r, _ in model_parts] != list(range(tp)):
+            raise ValueError(f"checkpoint {path}: model parts for TP ranks {[r for r, _ in model_parts]}, "
+                             f"expected 0..{tp - 1}; the checkpoint is incomplete")
+        full_model = {}
+        for name, t in model_parts[0][1].items():
+            dim = shard_dim.get(name)
+            full_model[name] = t if dim is None or tp == 1 else torch.cat([m[name] for _, m in model_parts], dim)
+        full_optim = merge_optimizer_exports([(p["tp_rank"], p["optimizer"]) for p in parts], shard_dim, tp)
+        load_full_state(self.model, full_model, self.plan)
+        load_consolidated_state(self.optimizer, full_optim, self.plan)
         self.train_data.load_state_dict(state["train_data"])
         ckpt.restore_rng_state(state["rng"])
         self.step = int(state["step"])
-
-    def save(self) -> Optional[Path]:
-        state = self.consolidated_state()
-        path = None
-        if self.rank == 0:
-            meta = {"step": self.step, "dataset": str(self.dataset_prefix), "config": self.config_dict}
-            path = ckpt.save_checkpoint(self.ckpt_dir, self.step, state, meta=meta,
-                                        keep_last=self.job.train.keep_last)
-        if self.ps.world_size > 1:
-            dist.barrier()  # nobody reads the checkpoint directory before it is complete
-        return path
 
     def maybe_resume(self) -> Optional[Path]:
         spec = self.job.train.resume
@@ -170,8 +202,7 @@ class Trainer:
             if not ok:
                 raise ValueError(f"train.resume={spec}: not a complete checkpoint ({why}); "
                                  "use train.resume=auto to pick the newest complete one")
-        state, _ = ckpt.load_checkpoint(path, map_location="cpu", weights_only=False)
-        self.load_consolidated(state)
+        self.load(path)
         return path
 
     # ---- one optimizer step ------------------------------------------------------------------

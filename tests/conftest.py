@@ -4,20 +4,14 @@ import os
 import pytest
 import torch
 
+from parallel.parity import PARITY_MODEL
+
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("WANDB_MODE", "offline")
 torch.set_num_threads(1)  # xdist runs one worker per core
 
-# k3_tiny's structure (layer schedule, 3 AttnRes blocks, dense layer 0, MoE + shared, vision)
-# at widths that train in milliseconds per step.
-SMALL_MODEL = {
-    "hidden_size": 64, "dense_intermediate_size": 128,
-    "kda.num_heads": 2, "kda.head_dim": 16, "kda.gate_rank": 8, "kda.chunk_size": 16,
-    "mla.num_heads": 2, "mla.q_lora_rank": 32, "mla.kv_lora_rank": 16, "mla.qk_nope_head_dim": 8,
-    "mla.qk_rope_head_dim": 8, "mla.v_head_dim": 8,
-    "moe.num_experts": 8, "moe.top_k": 2, "moe.expert_intermediate_size": 32, "moe.latent_size": 32,
-    "vision.enabled": False, "vocab_size": 512,
-}
+# The parity model (k3_tiny's structure at tiny widths) with 2 heads: trains in milliseconds.
+SMALL_MODEL = {**PARITY_MODEL, "kda.num_heads": 2, "mla.num_heads": 2}
 
 
 @pytest.fixture(scope="session")

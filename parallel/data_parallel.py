@@ -61,9 +61,14 @@ Layout-free optimizer state
 
 Expert parameters: ``edp_group`` (or a ``group_for(name, param)`` callable) puts params whose name
 contains ``.mlp.experts.`` on their own replication group; each group has its own ownership and
-buckets. Limitation: with EP > 1 the expert squared norm must also be summed over the EP group,
-which this class does not see; the grad norm here is exact when every group replicates the whole
-model (pure DP).
+buckets.
+
+Partitioned models (:meth:`ShardedOptimizer.add_norm_partition`)
+    When ranks of some group hold DIFFERENT parameters (pipeline stages hold different layers, EP
+    ranks hold different experts), the global grad norm sums the squared norms over that group:
+    ``add_norm_partition(pp_group)`` for every parameter, ``add_norm_partition(ep_group,
+    experts_only=True)`` for the expert-sharded ones. The result is the single-process norm of the
+    whole model (up to the order of the fp32 sum).
 """
 from __future__ import annotations
 
@@ -241,8 +246,17 @@ class ShardedOptimizer:
         self.tp_group: ProcessGroup = None
         self.tp_sharded: list[bool] = [False] * len(self.specs)
         """per spec: a TP shard (its squared grad norm is summed over ``tp_group``)"""
+        self.norm_partitions: list[tuple[ProcessGroup, bool]] = []
+        """(group, experts_only): groups over which ranks hold different params (see add_norm_partition)"""
         if tp_group is not None or shard_dim is not None:
             self.set_tensor_parallel(tp_group, shard_dim or {})
+
+    def add_norm_partition(self, group: ProcessGroup, experts_only: bool = False) -> None:
+        """Declare that the ranks of ``group`` hold different parameters (all of them, or only the
+        expert-sharded ones when ``experts_only``): the grad norm sums squared norms over it.
+        Partitions are applied in the order they are added (experts first, then e.g. pipeline)."""
+        if group is not None and _size(group) > 1:
+            self.norm_partitions.append((group, bool(experts_only)))
 
     def set_tensor_parallel(self, tp_group: ProcessGroup, shard_dim: dict[str, Optional[int]]) -> None:
         """Declare the model TP-sharded over ``tp_group``: ``shard_dim[canonical name]`` is the
@@ -401,7 +415,20 @@ class ShardedOptimizer:
             part = torch.stack([norms[idx].square(), has[idx]])
             dist.all_reduce(part, group=self.tp_group)
             norms[idx], has[idx] = part[0].sqrt(), part[1]
-        total = torch.linalg.vector_norm(norms[has > 0]) if bool((has > 0).any()) else norms.new_zeros(())
+        if self.norm_partitions:  # ranks of these groups hold different params: sum squares over them
+            expert = torch.tensor([EXPERT_NAME_PART in s.name for s in self.specs], device=self.device)
+            sq = norms.square() * (has > 0)
+            dense_sq, expert_sq = sq[~expert].sum().reshape(1), sq[expert].sum().reshape(1)
+            for g, experts_only in self.norm_partitions:
+                if experts_only:
+                    dist.all_reduce(expert_sq, group=g)
+                else:
+                    both = torch.cat([dense_sq, expert_sq])
+                    dist.all_reduce(both, group=g)
+                    dense_sq, expert_sq = both[:1].clone(), both[1:].clone()
+            total = (dense_sq + expert_sq).sqrt().reshape(())
+        else:
+            total = torch.linalg.vector_norm(norms[has > 0]) if bool((has > 0).any()) else norms.new_zeros(())
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for m in self.main.values():
             if m.grad is not None:

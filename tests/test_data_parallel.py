@@ -500,3 +500,39 @@ def test_canonical_export_round_trip_single_process():
     bad = {**saved, "state": {**saved["state"], "lm_head.weight": {"exp_avg": torch.zeros(3)}}}
     with pytest.raises(ValueError, match="has shape"):
         load_consolidated_state(opt2, bad, None)
+
+
+def test_norm_partition_sums_squares_over_ranks_holding_different_params():
+    """Pipeline-style (every param) and EP-style (experts only) partitions give the full model's norm."""
+    class Net(nn.Module):
+        def __init__(self, part):
+            super().__init__()
+            self.a = nn.Linear(4, 4, bias=False)             # a 'dense' param, different per rank
+            block = nn.Module()                               # named like K3: layers.0.mlp.experts.w
+            block.mlp = nn.Module()
+            block.mlp.experts = nn.Module()
+            block.mlp.experts.w = nn.Parameter(torch.zeros(2, 3, 4))
+            self.layers = nn.ModuleList([block])
+
+    torch.manual_seed(0)
+    grads = {r: (torch.randn(4, 4), torch.randn(2, 3, 4)) for r in range(2)}
+    shared_dense = torch.randn(4, 4)
+
+    def fn(rank, group):
+        out = {}
+        for mode in ("all", "experts"):
+            net = Net(rank)
+            net.a.weight.grad = (grads[rank][0] if mode == "all" else shared_dense).clone()
+            net.layers[0].mlp.experts.w.grad = grads[rank][1].clone()
+            opt = ShardedOptimizer(net, CFG, None)
+            opt.add_norm_partition(group, experts_only=(mode == "experts"))
+            opt.reduce_gradients()
+            out[mode] = float(opt.clip_grad_norm_(float("inf")))
+        return out
+
+    res = run_threaded(2, fn)
+    full_all = torch.cat([g.reshape(-1) for r in range(2) for g in grads[r]]).norm()
+    full_exp = torch.cat([shared_dense.reshape(-1)] + [grads[r][1].reshape(-1) for r in range(2)]).norm()
+    for r in range(2):
+        assert res[r]["all"] == pytest.approx(float(full_all), rel=1e-6)
+        assert res[r]["experts"] == pytest.approx(float(full_exp), rel=1e-6)

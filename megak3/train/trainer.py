@@ -17,7 +17,7 @@ import torch
 
 import torch.distributed as dist
 
-from parallel.data_parallel import ShardedOptimizer, load_consolidated_state, merge_optimizer_exports
+from parallel.data_parallel import ShardedOptimizer, load_consolidated_state
 from parallel.moe_stats import reduce_balancer
 from parallel.parallelize import canonical_name, load_full_state, parallelize_tp, sync_partial_grads
 from parallel.state import ParallelState
@@ -34,6 +34,7 @@ from ..optim import lr_at, set_lr
 from ..quant import apply_quantization
 from ..quant.te import fp8_autocast_context
 from . import checkpoint as ckpt
+from . import sharded_state
 from .config import JobConfig
 
 
@@ -92,6 +93,8 @@ class Trainer:
         # every rank builds the same full model (init is a function of seed and name), then keeps its shard
         self.model: K3Model = build_model(job.model, seed=t.seed)
         self.plan = parallelize_tp(self.model, ps.tp_group, self.sequence_parallel)
+        self.ep_shard_dim: dict = {}
+        """canonical name -> dim of the expert-parallel shard (routed experts under parallel.ep > 1)"""
         self.model.to(self.device)
         apply_quantization(self.model, job.quant)  # QAT hooks sit where the expert weights live
         self.model.gradient_checkpointing = t.activation_checkpointing
@@ -130,15 +133,18 @@ class Trainer:
     # rank; rank 0 commits the directory atomically once all parts are on disk. Loading merges the
     # parts into full tensors under single-process names, so any layout (or one process) resumes.
     def _part(self) -> dict:
-        ps, plan = self.ps, self.plan
-        model = {}
-        if ps.dp_rank == 0:  # DP replicas hold identical weights: one copy per TP shard is enough
-            model = {canonical_name(k): v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        ps = self.ps
+        state = {canonical_name(k): v for k, v in self.model.state_dict().items()}
+        tags = sharded_state.make_tags(state, self.plan.shard_dim, ps.tp_size, self.ep_shard_dim, ps.ep_size)
+        # one saver per distinct shard: DP rank 0 for dense tensors, expert-DP rank 0 for expert shards
+        model = {n: v.detach().cpu().clone() for n, v in state.items()
+                 if (ps.edp_rank if (tags[n] or ("",))[0] == "ep" else ps.dp_rank) == 0}
         optim = self.optimizer.export_state(canonical=True)
         optim["state"] = {n: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in st.items()}
                           for n, st in optim["state"].items()}
-        return {"tp_rank": ps.tp_rank, "tp_size": ps.tp_size, "dp_rank": ps.dp_rank,
-                "shard_dim": dict(plan.shard_dim), "model": model, "optimizer": optim}
+        coords = {"tp": (ps.tp_rank, ps.tp_size), "ep": (ps.ep_rank, ps.ep_size), "pp": (ps.pp_rank, ps.pp_size),
+                  "dp": (ps.dp_rank, ps.dp_size), "edp": (ps.edp_rank, ps.edp_size)}
+        return sharded_state.build_part(coords, tags, model, optim)
 
     def save(self) -> Optional[Path]:
         """Collective: every rank writes its part, rank 0 commits. Returns the path on rank 0."""
@@ -171,19 +177,15 @@ class Trainer:
         state, manifest = ckpt.load_checkpoint(path, map_location="cpu", weights_only=False)
         parts = [ckpt.load_part(path, name, weights_only=False)
                  for name in sorted(manifest["files"]) if name.startswith("rank_")]
-        tp = parts[0]["tp_size"]
-        shard_dim = parts[0]["shard_dim"]
-        model_parts = sorted((p["tp_rank"], p["model"]) for p in parts if p["model"])
-        if [r for r, _ in model_parts] != list(range(tp)):
-            raise ValueError(f"checkpoint {path}: model parts for TP ranks {[r for r, _ in model_parts]}, "
-                             f"expected 0..{tp - 1}; the checkpoint is incomplete")
-        full_model = {}
-        for name, t in model_parts[0][1].items():
-            dim = shard_dim.get(name)
-            full_model[name] = t if dim is None or tp == 1 else torch.cat([m[name] for _, m in model_parts], dim)
-        full_optim = merge_optimizer_exports([(p["tp_rank"], p["optimizer"]) for p in parts], shard_dim, tp)
-        load_full_state(self.model, full_model, self.plan)
-        load_consolidated_state(self.optimizer, full_optim, self.plan)
+        full_model, full_optim = sharded_state.merge_parts(parts)
+        ps = self.ps
+        names = [canonical_name(k) for k in self.model.state_dict()]
+        local = sharded_state.local_model_state(full_model, names, self.ep_shard_dim, ps.ep_rank, ps.ep_size)
+        load_full_state(self.model, local, self.plan)
+        opt_names = [canonical_name(sp.name) for sp in self.optimizer.specs]
+        local_opt = sharded_state.local_optimizer_state(full_optim, opt_names, self.ep_shard_dim, ps.ep_rank,
+                                                        ps.ep_size)
+        load_consolidated_state(self.optimizer, local_opt, self.plan)
         self.train_data.load_state_dict(state["train_data"])
         ckpt.restore_rng_state(state["rng"])
         self.step = int(state["step"])

@@ -6,6 +6,28 @@ which pins torch==2.13.0 through ``tools/constraints.txt`` before anything else.
 """
 from setuptools import find_packages, setup
 
+
+def _optional_extensions():
+    """csrc/moonep_planner.cpp as ``moonep._planner_cpp``; absent torch/compiler -> no extension."""
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:
+        return [], {}
+
+    class OptionalBuildExt(BuildExtension):
+        # A failed compile must not fail the install: moonep falls back to the torch planner.
+        def build_extension(self, ext):
+            try:
+                super().build_extension(ext)
+            except Exception as exc:  # noqa: BLE001
+                print(f"WARNING: optional extension {ext.name} not built ({exc}); using the torch planner")
+
+    ext = CppExtension("moonep._planner_cpp", ["csrc/moonep_planner.cpp"], extra_compile_args=["-O3"])
+    return [ext], {"build_ext": OptionalBuildExt.with_options(no_python_abi_suffix=False)}
+
+
+EXT_MODULES, CMDCLASS = _optional_extensions()
+
 RUNTIME = [
     "torch>=2.5,<2.14",          # 2.13.0 is the tested build; the constraints file pins it
     "numpy>=1.24",
@@ -35,4 +57,6 @@ setup(
     install_requires=RUNTIME,
     extras_require=EXTRAS,
     entry_points={"console_scripts": ["megak3-train=megak3.train.__main__:main"]},
+    ext_modules=EXT_MODULES,
+    cmdclass=CMDCLASS,
 )

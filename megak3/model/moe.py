@@ -192,13 +192,20 @@ class LatentMoE(nn.Module):
         self.routed_expert_up_proj = nn.Linear(L, D, bias=False)
         self.shared_experts = (SiTUGLUMLP(D, moe.num_shared_experts * m, cfg.situ_beta1, cfg.situ_beta2)
                                if moe.num_shared_experts > 0 else None)
+        # Expert parallelism hook (moonep/, installed by parallel/expert_parallel.py): when set,
+        # ``u_TL = expert_dispatch(z_TL, route, self.experts)`` replaces permute -> experts -> unpermute.
+        self.expert_dispatch: Callable | None = None
 
     def forward(self, x_TD: torch.Tensor):
         route = self.gate(x_TD)                                   # validates x is [T, D]
         z_TL = self.routed_expert_down_proj(x_TD)
-        order_X, token_of_row_X, tokens_per_expert_E = permute(route.indices_TK, self.num_experts)
-        y_sorted_XL = self.experts(z_TL[token_of_row_X], tokens_per_expert_E)
-        u_TL = unpermute(y_sorted_XL, order_X, route.weights_TK).to(x_TD.dtype)
+        if self.expert_dispatch is not None:
+            u_TL = self.expert_dispatch(z_TL, route, self.experts).to(x_TD.dtype)
+            tokens_per_expert_E = torch.bincount(route.indices_TK.reshape(-1), minlength=self.num_experts)
+        else:
+            order_X, token_of_row_X, tokens_per_expert_E = permute(route.indices_TK, self.num_experts)
+            y_sorted_XL = self.experts(z_TL[token_of_row_X], tokens_per_expert_E)
+            u_TL = unpermute(y_sorted_XL, order_X, route.weights_TK).to(x_TD.dtype)
         if self.routed_expert_norm is not None:
             u_TL = self.routed_expert_norm(u_TL)
         y_TD = self.routed_expert_up_proj(u_TL)

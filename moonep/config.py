@@ -1,0 +1,50 @@
+"""MoonEP configuration (``conf/moonep/``): which expert-parallel dispatcher runs and its replica budget.
+
+    cfg = MoonEPConfig(enabled=True, max_replicas_per_rank=0, planner_backend="auto")
+    cfg.validate(num_experts=896, ep=64)      # raises ValueError naming moonep.<field>
+    cfg.replicas_per_rank(896, 64)            # 14 (0 means E/ep)
+
+``enabled=false`` keeps expert parallelism but uses the baseline dispatcher (dynamic shapes, no
+replicas): the reference MoonEP is compared with. Only consulted when ``parallel.ep > 1``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PLANNERS = ("auto", "torch", "cpp")
+
+
+@dataclass
+class MoonEPConfig:
+    """Expert-parallel dispatch settings."""
+
+    enabled: bool = True
+    """true: MoonEP (per-batch replicas, every EP rank computes exactly S*K rows, fixed buffers);
+    false: the baseline dispatcher (each expert only on its home rank, dynamic split sizes)"""
+    max_replicas_per_rank: int = 0
+    """replica slots per EP rank (extra expert copies a rank may host for one step); 0 = E/ep"""
+    planner_backend: str = "auto"
+    """planner backend: 'auto' (the C++ extension when built, else torch), 'torch' or 'cpp'"""
+
+    def validate(self, num_experts: int | None = None, ep: int | None = None) -> "MoonEPConfig":
+        """Raise ValueError naming ``moonep.<field>`` and the fix; return self."""
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"moonep.enabled={self.enabled!r} must be true or false")
+        m = self.max_replicas_per_rank
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"moonep.max_replicas_per_rank={m!r} must be an integer >= 0 "
+                             "(0 = num_experts / ep)")
+        if self.planner_backend not in PLANNERS:
+            raise ValueError(f"moonep.planner_backend={self.planner_backend!r}: choose one of {', '.join(PLANNERS)}")
+        if num_experts is not None and ep is not None:
+            if ep < 1 or num_experts % ep:
+                raise ValueError(f"parallel.ep={ep} must divide model.moe.num_experts={num_experts}")
+            if m > num_experts - num_experts // ep:
+                raise ValueError(f"moonep.max_replicas_per_rank={m} exceeds the {num_experts - num_experts // ep} "
+                                 f"experts a rank does not home (num_experts={num_experts}, ep={ep}); "
+                                 "use at most that, or 0 for num_experts / ep")
+        return self
+
+    def replicas_per_rank(self, num_experts: int, ep: int) -> int:
+        """The replica slots M per rank (the default E/ep when the field is 0)."""
+        return self.max_replicas_per_rank or num_experts // ep

@@ -133,7 +133,7 @@ class BaselineDispatcher:
     num_experts: the global expert count E; this rank holds experts [rank*E/R, (rank+1)*E/R).
     """
 
-    def __init__(self, ep_group, num_experts: int, recorder=None):
+    def __init__(self, ep_group, num_experts: int, recorder=None, layer_idx: int = 0):
         self.group = ep_group
         self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
         self.rank = 0 if ep_group is None else dist.get_rank(ep_group)
@@ -142,6 +142,10 @@ class BaselineDispatcher:
         self.num_experts = num_experts
         self.local_experts = num_experts // self.ep
         self.recorder = recorder
+        self.layer_idx = layer_idx
+        self.row_bytes = 0
+        """bytes of one dispatched (latent) row, set per call (load statistics)"""
+        self.expert_weight_bytes = 0
         self.last: dict = {}
         """facts of the last call: rows_computed by the local experts (tests, statistics)"""
 
@@ -152,6 +156,7 @@ class BaselineDispatcher:
                              f"model.moe.num_experts / parallel.ep = {E} / {R} = {El}")
         order_X, token_of_row_X, tokens_per_expert_E = permute(route.indices_TK, E)
         X = order_X.numel()
+        self.row_bytes = z_TL.shape[-1] * z_TL.element_size()
         if R == 1:
             y_sorted = experts(z_TL[token_of_row_X], tokens_per_expert_E)
             self.last = {"rows_computed": X}

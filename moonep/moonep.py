@@ -135,6 +135,10 @@ class MoonEPDispatcher:
         self.pool = pool if pool is not None else DEFAULT_POOL
         self.recorder = recorder
         self.layer_idx = layer_idx
+        self.row_bytes = 0
+        """bytes of one dispatched (latent) row, set per call (load statistics)"""
+        self.expert_weight_bytes = 0
+        """bytes of one expert's w1 + w3 + w2 (a replica's weight traffic), set per call"""
         self.fallbacks = 0
         """calls whose plan was infeasible and ran with dynamic-size landing tensors"""
         self.last: dict = {}
@@ -148,6 +152,8 @@ class MoonEPDispatcher:
                              f"model.moe.num_experts / parallel.ep = {E} / {R} = {El}")
         order_X, token_of_row_X, tokens_per_expert_E = permute(route.indices_TK, E)
         X = order_X.numel()                                   # S*K, from shapes
+        self.row_bytes = z_TL.shape[-1] * z_TL.element_size()
+        self.expert_weight_bytes = sum(w[0].numel() * w.element_size() for w in (experts.w1, experts.w3, experts.w2))
         if R == 1:
             self.last = {"rows_computed": X, "num_replicas": 0, "feasible": True}
             return unpermute(experts(z_TL[token_of_row_X], tokens_per_expert_E), order_X, route.weights_TK)

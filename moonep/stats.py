@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 
 def _maxvio(load_R: torch.Tensor) -> torch.Tensor:
@@ -39,6 +40,25 @@ class LoadRecorder:
 
     def __init__(self):
         self.layers: dict[int, _Layer] = {}
+
+    def __call__(self, dispatcher, counts, plan) -> None:
+        """The dispatcher hook (``parallelize_ep(..., recorder=rec)``): record one MoE call.
+
+        ``counts`` is ``[R, E]`` (MoonEP already gathered it) or this rank's ``[E]`` (baseline
+        dispatcher: gathered here over the EP group, one small fixed-shape collective per layer and
+        call; every EP rank runs the same layers, so the collective lines up)."""
+        if counts.dim() == 1:
+            group = getattr(dispatcher, "group", None)
+            R = 1 if group is None else dist.get_world_size(group)
+            if R > 1:
+                out = torch.empty(R * counts.numel(), dtype=counts.dtype, device=counts.device)
+                dist.all_gather_into_tensor(out, counts.contiguous(), group=group)
+                counts = out.view(R, -1)
+            else:
+                counts = counts.view(1, -1)
+        self.record(getattr(dispatcher, "layer_idx", 0), counts, plan,
+                    row_bytes=getattr(dispatcher, "row_bytes", 0),
+                    expert_weight_bytes=getattr(dispatcher, "expert_weight_bytes", 0))
 
     def record(self, layer: int, counts_RE: torch.Tensor, plan=None, row_bytes: int = 0,
                expert_weight_bytes: int = 0) -> None:

@@ -66,7 +66,7 @@ def parallelize_ep(model: nn.Module, ps_or_group, moonep_cfg: Optional[MoonEPCon
     ps_or_group: a ParallelState (its ep_group) or the EP ProcessGroup (None: one rank).
     moonep_cfg: MoonEPConfig (default: enabled, E/ep replica slots, auto planner).
     pool: fixed-buffer pool for MoonEP (default: a new one shared by this model's layers).
-    recorder: optional load-statistics callback handed to every dispatcher.
+    recorder: optional load-statistics hook handed to every dispatcher (a moonep.stats.LoadRecorder).
     """
     group = _group_of(ps_or_group)
     cfg = moonep_cfg or MoonEPConfig()
@@ -98,7 +98,7 @@ def parallelize_ep(model: nn.Module, ps_or_group, moonep_cfg: Optional[MoonEPCon
                                     planner_backend=cfg.planner_backend, pool=plan.pool, recorder=recorder,
                                     layer_idx=layer_idx)
         else:
-            disp = BaselineDispatcher(group, E, recorder=recorder)
+            disp = BaselineDispatcher(group, E, recorder=recorder, layer_idx=layer_idx)
         moe.expert_dispatch = disp
         plan.dispatchers.append(disp)
     return plan

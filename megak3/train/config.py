@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from moonep.config import MoonEPConfig
 from parallel.config import ParallelConfig
 
 from ..config import ModelConfig
@@ -87,6 +88,8 @@ class JobConfig:
     """parallel layout (conf/parallel/)"""
     quant: QuantConfig = field(default_factory=QuantConfig)
     """quantization-aware training / FP8 (conf/quant/)"""
+    moonep: MoonEPConfig = field(default_factory=MoonEPConfig)
+    """expert-parallel dispatch when parallel.ep > 1 (conf/moonep/)"""
 
     def validate(self, world_size: int = 1) -> "JobConfig":
         self.model.validate()
@@ -96,6 +99,11 @@ class JobConfig:
         self.logging.validate()
         self.quant.validate()
         self.parallel.validate(world_size, self.model)
+        self.moonep.validate(self.model.moe.num_experts, self.parallel.ep)
+        if self.parallel.ep > 1 and self.parallel.tp > 1 and not self.parallel.sequence_parallel:
+            raise ValueError(f"parallel.ep={self.parallel.ep} with parallel.tp={self.parallel.tp} needs "
+                             "parallel.sequence_parallel=true (without it every TP rank would dispatch the same "
+                             "tokens to the experts)")
         if self.data.seq_len > self.model.max_seq_len:
             raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len="
                              f"{self.model.max_seq_len}; lower data.seq_len")

@@ -17,7 +17,9 @@ import torch
 
 import torch.distributed as dist
 
+from moonep.stats import LoadRecorder
 from parallel.data_parallel import ShardedOptimizer, load_consolidated_state
+from parallel.expert_parallel import parallelize_ep
 from parallel.moe_stats import reduce_balancer
 from parallel.parallelize import canonical_name, load_full_state, parallelize_tp, sync_partial_grads
 from parallel.state import ParallelState
@@ -47,7 +49,7 @@ def pick_device(name: str) -> torch.device:
 
 
 class Trainer:
-    """One rank of a training run. ``pstate`` gives the layout (tensor, sequence and data
+    """One rank of a training run. ``pstate`` gives the layout (tensor, sequence, data and expert
     parallelism); the default is one process."""
 
     def __init__(self, job: JobConfig, run_dir, config_dict: Optional[dict] = None,
@@ -59,10 +61,14 @@ class Trainer:
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.config_dict = config_dict
         t, d, par = job.train, job.data, job.parallel
-        for axis in ("cp", "pp", "ep", "etp"):
+        for axis in ("cp", "pp", "etp"):
             if getattr(ps, f"{axis}_size") > 1:
                 raise ValueError(f"parallel.{axis}={getattr(ps, f'{axis}_size')}: this build trains tensor, "
-                                 f"sequence and data parallel layouts; set parallel.{axis}=1")
+                                 f"sequence, data and expert parallel layouts; set parallel.{axis}=1")
+        if ps.ep_size > 1 and ps.tp_size > 1 and not par.sequence_parallel:
+            raise ValueError(f"parallel.ep={ps.ep_size} with parallel.tp={ps.tp_size} needs "
+                             "parallel.sequence_parallel=true (without it every TP rank would dispatch the same "
+                             "tokens to the experts)")
         rows = t.micro_batch_size * ps.dp_size
         if t.global_batch_size % rows:
             raise ValueError(f"train.global_batch_size={t.global_batch_size} must be a multiple of "
@@ -93,14 +99,28 @@ class Trainer:
         # every rank builds the same full model (init is a function of seed and name), then keeps its shard
         self.model: K3Model = build_model(job.model, seed=t.seed)
         self.plan = parallelize_tp(self.model, ps.tp_group, self.sequence_parallel)
-        self.ep_shard_dim: dict = {}
+        # routed experts: this EP rank's E/ep home experts, dispatched by MoonEP (or the baseline)
+        self.load_recorder = LoadRecorder()
+        self.ep_plan = parallelize_ep(self.model, ps.ep_group if ps.ep_size > 1 else None, job.moonep,
+                                      recorder=self.load_recorder if ps.ep_size > 1 else None)
+        self.ep_shard_dim: dict = dict(self.ep_plan.shard_dim)
         """canonical name -> dim of the expert-parallel shard (routed experts under parallel.ep > 1)"""
+        # expert gradients are complete within the EP group (every token of the TP/EP ranks reaches
+        # them through the dispatch), so they are reduced over expert-DP, never summed over TP
+        self.plan.partial_grad = [n for n in self.plan.partial_grad if n not in self.ep_shard_dim]
         self.model.to(self.device)
         apply_quantization(self.model, job.quant)  # QAT hooks sit where the expert weights live
         self.model.gradient_checkpointing = t.activation_checkpointing
-        self.optimizer = ShardedOptimizer(self.model, job.optim, ps.dp_group)
+        ep = ps.ep_size > 1
+        # expert shards are replicated over expert-DP only (None when edp = 1: no reduction at all)
+        sharded = self.ep_shard_dim
+        self.optimizer = ShardedOptimizer(
+            self.model, job.optim, ps.dp_group,
+            group_for=lambda name, _p: ps.edp_group if canonical_name(name) in sharded else ps.dp_group)
         if ps.tp_size > 1:
             self.optimizer.set_tensor_parallel(ps.tp_group, self.plan.shard_dim)
+        if ep:  # EP ranks hold different experts: the grad norm sums their squares over the EP group
+            self.optimizer.add_norm_partition(ps.ep_group, experts_only=True)
         mcfg = job.model.moe
         self.balancers = [QBAccumulator(mcfg.num_experts, mcfg.top_k, mcfg.qb_method, mcfg.qb_bins)
                           for _ in self.model.moe_layers()] if mcfg.balancing == "quantile" else []
@@ -162,7 +182,7 @@ class Trainer:
         if self.rank == 0:
             common = {"step": self.step, "train_data": self.train_data.state_dict(),
                       "rng": ckpt.capture_rng_state(), "world_size": self.ps.world_size,
-                      "layout": {"tp": self.ps.tp_size, "dp": self.ps.dp_size,
+                      "layout": {"tp": self.ps.tp_size, "dp": self.ps.dp_size, "ep": self.ps.ep_size,
                                  "sequence_parallel": self.sequence_parallel}}
             meta = {"step": self.step, "dataset": str(self.dataset_prefix), "config": self.config_dict}
             parts = {f"rank_{r:05d}.pt": e for r, e in entries}
@@ -240,6 +260,9 @@ class Trainer:
             if out.moe_stats:
                 counts = torch.stack([s.tokens_per_expert_E.float() for s in out.moe_stats])
                 loads = counts if loads is None else loads + counts
+                if ps.ep_size == 1:  # under EP the dispatchers record (with the plan)
+                    for i, st in enumerate(out.moe_stats):
+                        self.load_recorder.record(i, st.tokens_per_expert_E.view(1, -1))
             for acc, st, bias in zip(self.balancers, out.moe_stats, biases):
                 acc.add(st.scores_TE, bias)
         sync_partial_grads(model, self.plan, ps.tp_group)
@@ -270,6 +293,20 @@ class Trainer:
                 acc.reset()
         self.step += 1
         return {"lr": lr, "grad_norm": float(gnorm)}
+
+    def _expert_load_window(self) -> dict:
+        """Expert-load metrics of the logging window (the one host sync of the statistics).
+
+        Rank 0 appends the per-layer arrays to RUN_DIR/expert_load.jsonl (tools/expert_load.py);
+        the figures are those of rank 0's EP group (its data-parallel share of the tokens)."""
+        rec = self.load_recorder
+        if not rec.layers:
+            return {}
+        out = rec.summary()
+        if self.rank == 0:
+            rec.write_jsonl(self.run_dir / "expert_load.jsonl", self.step)
+        rec.reset()
+        return {k: v for k, v in out.items() if not k.startswith("moe/L")}  # per-layer: in the JSONL
 
     def train_step(self) -> dict:
         m = self.accumulate_gradients(self.next_micro_batches())
@@ -322,6 +359,7 @@ class Trainer:
             if self.step % job.logging.log_interval == 0 or self.step == t.max_steps:
                 m.update(clock.step(window_tokens, window_steps))
                 m["peak_memory_mb"] = peak_memory_mb()
+                m.update(self._expert_load_window())
                 if gpu is not None:
                     m.update(gpu.sample())
                 window_tokens, window_steps = 0, 0

@@ -37,8 +37,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megak3.model.moe import grouped_linear, permute, unpermute
-from megak3.ops.situ import situ_glu
+from megak3.model.moe import permute, unpermute
 
 from .buffers import DEFAULT_POOL, BufferPool
 from .dispatch import _Exchange, _Return, block_transpose_index, exclusive_cumsum
@@ -51,18 +50,8 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 def expert_forward(experts, w1_JmL, w3_JmL, w2_JLm, z_XL, rows_per_slot_J) -> torch.Tensor:
-    """GroupedExperts.forward on explicit stacked weights (home + replica slots), same QAT hooks."""
-    if experts.weight_quant is not None:
-        w1_JmL, w3_JmL, w2_JLm = (experts.weight_quant(w) for w in (w1_JmL, w3_JmL, w2_JLm))
-    if experts.act_quant is not None:
-        z_XL = experts.act_quant(z_XL)
-    gmm = experts.use_grouped_mm
-    gate = grouped_linear(z_XL, w1_JmL, rows_per_slot_J, gmm)
-    up = grouped_linear(z_XL, w3_JmL, rows_per_slot_J, gmm)
-    h = situ_glu(gate, up, experts.beta1, experts.beta2)
-    if experts.act_quant is not None:
-        h = experts.act_quant(h)
-    return grouped_linear(h, w2_JLm, rows_per_slot_J, gmm)
+    """GroupedExperts math on explicit stacked weights (home + replica slots), same QAT hooks."""
+    return experts.compute(w1_JmL, w3_JmL, w2_JLm, z_XL, rows_per_slot_J)
 
 
 class _FetchReplicas(torch.autograd.Function):

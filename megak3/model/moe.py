@@ -155,18 +155,23 @@ class GroupedExperts(nn.Module):
         if tokens_per_expert_E.shape != (self.num_experts,):
             raise ValueError(f"GroupedExperts: tokens_per_expert must be [{self.num_experts}], "
                              f"got {tuple(tokens_per_expert_E.shape)}")
+        return self.compute(self.w1, self.w3, self.w2, z_sorted_XL, tokens_per_expert_E)
+
+    def compute(self, w1_GmL, w3_GmL, w2_GLm, z_sorted_XL, rows_per_group_G) -> torch.Tensor:
+        """The expert math on explicit stacked weights (G groups of rows, e.g. home experts plus
+        MoonEP replica slots), with this module's SiTU-GLU betas and QAT hooks."""
         gmm = self.use_grouped_mm
-        w1, w3, w2 = self.w1, self.w3, self.w2
+        w1, w3, w2 = w1_GmL, w3_GmL, w2_GLm
         if self.weight_quant is not None:
             w1, w3, w2 = self.weight_quant(w1), self.weight_quant(w3), self.weight_quant(w2)
         if self.act_quant is not None:
             z_sorted_XL = self.act_quant(z_sorted_XL)
-        gate_Xm = grouped_linear(z_sorted_XL, w1, tokens_per_expert_E, gmm)
-        up_Xm = grouped_linear(z_sorted_XL, w3, tokens_per_expert_E, gmm)
+        gate_Xm = grouped_linear(z_sorted_XL, w1, rows_per_group_G, gmm)
+        up_Xm = grouped_linear(z_sorted_XL, w3, rows_per_group_G, gmm)
         h_Xm = situ_glu(gate_Xm, up_Xm, self.beta1, self.beta2)
         if self.act_quant is not None:
             h_Xm = self.act_quant(h_Xm)
-        return grouped_linear(h_Xm, w2, tokens_per_expert_E, gmm)
+        return grouped_linear(h_Xm, w2, rows_per_group_G, gmm)
 
     def extra_repr(self) -> str:
         E, m, L = self.w1.shape

@@ -4,33 +4,87 @@
     python -m megak3.train train.max_steps=50 optim.lr=2e-3 data.seq_len=512
     python -m megak3.train data.path=/data/mycorpus model=k3_mini train.device=cuda
     python -m megak3.train train.run_dir=runs/exp1 train.resume=auto   # continue a run
+    python -m megak3.train parallel=tp2_dp2                 # 4 ranks: re-runs itself under torchrun
+    python -m megak3.train -m parallel=tp2_dp2,tp1_dp4,tp4_dp1 train.max_steps=20   # layout sweep
 
 Defaults live in conf/config.yaml; every field is documented in the dataclasses of
 megak3/train/config.py and the modules it imports. User errors print one line and exit 2.
+
+Ranks (megak3/launch/config.py, ``launcher.*``): a job that needs more than one rank
+(``launcher.nproc_per_node``, or the layout's size when ``parallel.dp`` > 0) and is not already a
+torchrun / SLURM rank is started as ``torchrun --standalone --nproc-per-node N`` in a subprocess,
+so every job of a ``-m`` sweep gets its own ranks. Every job writes ``status.json`` (ok / failed /
+preempted, the error line, per-rank peak memory) next to its ``metrics.jsonl``; in a sweep a
+failed job is recorded and the sweep goes on (``tools/sweep_report.py DIR`` tabulates it).
+A preempted run (SIGTERM / SIGUSR1, checkpoint saved) exits with
+megak3.launch.preemption.REQUEUE_EXIT_CODE.
 """
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
+from typing import Optional
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ..config import CONF_DIR
+from ..launch import commands
+from ..launch.config import LauncherConfig, LaunchJobConfig
+from ..launch.preemption import REQUEUE_EXIT_CODE, Preempted
+from ..launch.sweep import error_line, write_status
 from .config import JobConfig
 
-ConfigStore.instance().store(name="job_schema", node=JobConfig)
+# JobConfig plus the launcher group (popped before the job reaches the trainer)
+ConfigStore.instance().store(name="job_schema", node=LaunchJobConfig)
 
 
-def to_job(cfg: DictConfig) -> JobConfig:
+def split_launcher(cfg: DictConfig) -> tuple:
+    """(a copy of cfg without ``launcher``, the validated LauncherConfig)."""
+    cfg = cfg.copy()
+    node = None
+    if "launcher" in cfg:
+        with open_dict(cfg):
+            node = cfg.pop("launcher")
+    base = OmegaConf.structured(LauncherConfig)
+    launcher = OmegaConf.to_object(OmegaConf.merge(base, node) if node is not None else base)
+    return cfg, launcher.validate()
+
+
+def to_job(cfg: DictConfig, world_size: Optional[int] = None) -> JobConfig:
+    cfg, _ = split_launcher(cfg)
     job = OmegaConf.to_object(cfg)
     assert isinstance(job, JobConfig)
-    return job.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    job.validate(world_size=world_size)
+    t, dp = job.train, job.parallel.resolved_dp(world_size)
+    if t.global_batch_size % (t.micro_batch_size * dp):  # the trainer's rule, checked before ranks start
+        raise ValueError(f"train.global_batch_size={t.global_batch_size} must be a multiple of "
+                         f"train.micro_batch_size x dp = {t.micro_batch_size} x {dp}")
+    return job
+
+
+def _peak_memory_per_rank(pstate) -> list:
+    from ..metrics.telemetry import peak_memory_mb
+
+    mine = peak_memory_mb()
+    if pstate.world_size == 1:
+        return [mine]
+    import torch.distributed as dist
+
+    box = [None] * pstate.world_size
+    dist.all_gather_object(box, mine)
+    return box
 
 
 def run(cfg: DictConfig) -> dict:
+    """Train in this process (one rank of the job); returns the trainer's result."""
     from parallel.state import destroy_parallel, init_parallel
 
     from .trainer import Trainer
@@ -48,6 +102,7 @@ def run(cfg: DictConfig) -> dict:
     try:
         trainer = Trainer(job, run_dir, config_dict=OmegaConf.to_container(cfg, resolve=True), pstate=pstate)
         result = trainer.fit()
+        result["peak_memory_mb_per_rank"] = _peak_memory_per_rank(pstate)
     finally:
         destroy_parallel()
     if rank == 0:
@@ -57,16 +112,135 @@ def run(cfg: DictConfig) -> dict:
     return result
 
 
+def spawn(overrides: list, nproc: int, job_dir: str, launcher: LauncherConfig) -> tuple:
+    """Run this job under ``torchrun --nproc-per-node nproc``; output is echoed and kept in
+    ``job_dir/train.log``. Returns (return code, error line or None)."""
+    os.makedirs(job_dir, exist_ok=True)
+    child = [o for o in overrides if not o.split("=", 1)[0].lstrip("+~").startswith("hydra.")]
+    if not any(o.split("=", 1)[0].lstrip("+") == "train.run_dir" for o in child):
+        child.append(f"train.run_dir={job_dir}")
+    child += [f"hydra.run.dir={job_dir}", "hydra.output_subdir=null"]
+    cmd = commands.local_command(nproc, child)
+    env = commands.local_env(launcher.omp_threads)
+    log_path = os.path.join(job_dir, "train.log")
+    print(f"megak3.train: launching {nproc} ranks: {' '.join(cmd[1:])}", flush=True)
+    timeout = launcher.job_timeout_s or None
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
+        t0 = time.monotonic()
+        timed_out = False
+        for line in proc.stdout:  # echo and keep
+            sys.stdout.write(line)
+            log.write(line)
+            if timeout and time.monotonic() - t0 > timeout:
+                timed_out = True
+                break
+        if timed_out:
+            os.killpg(proc.pid, 9)
+        rc = proc.wait()
+    if timed_out:
+        return rc, f"timed out after launcher.job_timeout_s={launcher.job_timeout_s:g}s"
+    if rc == 0:
+        return 0, None
+    with open(log_path) as f:
+        return rc, error_line(f.read())
+
+
+def _layout_name(cfg: DictConfig, overrides: list) -> str:
+    """The parallel group's option (``tp2_dp2``), or the degrees when parallel.* fields are overridden."""
+    try:
+        choice = HydraConfig.get().runtime.choices.get("parallel")
+    except Exception:
+        choice = None
+    if choice and not any(o.lstrip("+~").startswith("parallel.") for o in overrides):
+        return choice
+    p = cfg.parallel
+    deg = "_".join(f"{a}{p[a]}" for a in ("tp", "cp", "pp", "ep", "dp") if p[a] != 1 or a == "tp")
+    return deg + ("_sp" if p.sequence_parallel else "")
+
+
+def job(cfg: DictConfig) -> int:
+    """One Hydra job: spawn its ranks or train in-process; write status.json. Returns the exit code."""
+    hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
+    rank = int(os.environ.get("RANK", "0"))
+    job_dir = cfg.train.run_dir or hc.runtime.output_dir
+    overrides = list(hc.overrides.task)
+    info = {"layout": _layout_name(cfg, overrides), "overrides": overrides,
+            "degrees": {k: cfg.parallel[k] for k in ("tp", "cp", "pp", "ep", "etp", "dp", "sequence_parallel")}}
+    t0 = time.time()
+    status, error, code = "ok", None, 0
+    try:
+        _, launcher = split_launcher(cfg)
+        nproc = launcher.resolved_nproc(cfg.parallel)
+        info["nproc"] = nproc
+        if nproc * launcher.nnodes > 1 and not commands.inside_launcher():
+            if launcher.nnodes > 1:
+                raise ValueError(f"launcher.nnodes={launcher.nnodes}: multi-node jobs start through SLURM "
+                                 "(tools/launch.py --slurm); locally use launcher.nnodes=1")
+            to_job(cfg, world_size=nproc)  # a layout that cannot run fails here, before any rank starts
+            rc, err = spawn(overrides, nproc, job_dir, launcher)
+            info["returncode"] = rc
+            if rc == REQUEUE_EXIT_CODE:
+                status, error, code = "preempted", err, rc
+            elif rc != 0:
+                status, error, code = "failed", err, 2 if rc == 2 else 1
+            else:
+                child = (read_child_status(job_dir) or {})
+                info["peak_memory_mb_per_rank"] = child.get("peak_memory_mb_per_rank")
+        else:
+            info["nproc"] = int(os.environ.get("WORLD_SIZE", "1"))
+            result = run(cfg)
+            info["peak_memory_mb_per_rank"] = result.get("peak_memory_mb_per_rank")
+            info["steps"] = result.get("steps")
+    except Preempted as e:
+        status, error, code = "preempted", str(e), REQUEUE_EXIT_CODE
+        print(f"megak3.train: {e}", file=sys.stderr, flush=True)
+    except ValueError as e:  # user errors: one line, no traceback
+        status, error, code = "failed", str(e), 2
+        print(f"megak3.train: error: {e}", file=sys.stderr, flush=True)
+    except Exception as e:  # noqa: BLE001
+        status, error, code = "failed", f"{type(e).__name__}: {e}".splitlines()[0], 1
+        if not multirun:
+            _write(rank, job_dir, status, error, info, t0)
+            raise
+        import traceback
+
+        traceback.print_exc()
+    _write(rank, job_dir, status, error, info, t0)
+    return code
+
+
+def read_child_status(job_dir: str) -> Optional[dict]:
+    from ..launch.sweep import read_status
+
+    return read_status(job_dir)
+
+
+def _write(rank: int, job_dir: str, status: str, error, info: dict, t0: float) -> None:
+    if rank == 0:
+        try:
+            write_status(job_dir, status, error, wall_s=round(time.time() - t0, 3), **info)
+        except OSError as e:
+            print(f"megak3.train: could not write {job_dir}/status.json ({e})", file=sys.stderr)
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> None:
-    try:
-        run(cfg)
-    except ValueError as e:  # user errors: one line, no traceback
-        print(f"megak3.train: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    code = job(cfg)
+    # in a sweep a failed job is recorded in its status.json and the next job runs
+    if code and HydraConfig.get().mode != RunMode.MULTIRUN:
+        sys.exit(code)
 
 
 def main() -> None:
+    if os.environ.get(commands.SLURM_MARKER) == "1" and "RANK" not in os.environ:
+        try:  # srun mode of the sbatch script: one task per GPU, ranks from SLURM's variables
+            os.environ.update(commands.torch_env_from_slurm(os.environ))
+        except ValueError as e:
+            print(f"megak3.train: error: {e}", file=sys.stderr)
+            sys.exit(2)
     if int(os.environ.get("RANK", "0")) > 0:
         # only rank 0 writes Hydra's run directory and config copy; the others log nothing there
         sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=none",

@@ -25,6 +25,7 @@ from parallel.parallelize import canonical_name, load_full_state, parallelize_tp
 from parallel.state import ParallelState
 
 from ..data.config import resolve_dataset
+from ..launch.preemption import Preempted, PreemptionHandler
 from ..data.indexed import IndexedDataset
 from ..data.packing import Batcher, PackedDataset
 from ..data.tokenizer import load_tokenizer
@@ -342,11 +343,23 @@ class Trainer:
         gpu = GPUTelemetry(verbose=self.rank == 0) if job.logging.nvml and self.device.type == "cuda" else None
         if resumed is not None:
             logger.write(f"resumed from {resumed} at step {self.step}")
-        first_val = final_val = self.evaluate()
-        logger.log_eval(self.step, {"val_loss": first_val})
+        self.first_val = self.final_val = self.evaluate()
+        logger.log_eval(self.step, {"val_loss": self.first_val})
+        self.last_metrics = {}
         clock = Throughput()
+        # SIGTERM / SIGUSR1 (SLURM preemption, time limit): checkpoint at the next step, exit 75
+        preempt = PreemptionHandler(device=self.device).install()
+        try:
+            self._loop(logger, gpu, clock, preempt)
+        finally:
+            preempt.uninstall()
+        logger.close()
+        return {"first_val_loss": self.first_val, "final_val_loss": self.final_val, "steps": self.step,
+                "last": self.last_metrics, "run_dir": str(self.run_dir)}
+
+    def _loop(self, logger, gpu, clock, preempt) -> None:
+        job, t = self.job, self.job.train
         window_tokens, window_steps = 0, 0
-        last = {}
         while self.step < t.max_steps:
             m = self.train_step()
             if not math.isfinite(m["loss"]):
@@ -364,15 +377,19 @@ class Trainer:
                     m.update(gpu.sample())
                 window_tokens, window_steps = 0, 0
             logger.log(self.step, m)
-            last = m
+            self.last_metrics = m
             boundary = self.step == t.max_steps
             if (t.eval_interval and self.step % t.eval_interval == 0) or boundary:
-                final_val = self.evaluate()
-                logger.log_eval(self.step, {"val_loss": final_val})
+                self.final_val = self.evaluate()
+                logger.log_eval(self.step, {"val_loss": self.final_val})
                 clock.reset()
-            if (t.save_interval and self.step % t.save_interval == 0) or boundary:
+            saved = (t.save_interval and self.step % t.save_interval == 0) or boundary
+            if saved:
                 self.save()
                 clock.reset()
-        logger.close()
-        return {"first_val_loss": first_val, "final_val_loss": final_val, "steps": self.step,
-                "last": last, "run_dir": str(self.run_dir)}
+            if preempt.requested():  # collective: every rank asks at every step, all agree
+                if not saved:
+                    self.save()
+                logger.write(f"preempted by {preempt.signal_name} at step {self.step}: checkpoint saved")
+                logger.close()
+                raise Preempted(self.step, preempt.signal_name)

@@ -1,0 +1,10 @@
+"""Launching megak3 at any scale: local torchrun, SLURM batch scripts, layout sweeps, preemption,
+and an analytic memory / FLOPs / step-time planner (see docs/SCALING.md).
+
+    megak3.launch.config      LauncherConfig (the ``launcher`` group, conf/launcher/)
+    megak3.launch.commands    torchrun command lines, sbatch scripts, SLURM -> torch environment
+    megak3.launch.preemption  PreemptionHandler: SIGTERM/SIGUSR1 -> checkpoint -> requeue exit code
+    megak3.launch.sweep       per-job status files and metrics summaries of a Hydra sweep
+    megak3.launch.hardware    the documented hardware table used by the planner
+    megak3.launch.planner     per-rank memory, FLOPs per token, comm volume, step time, layout search
+"""

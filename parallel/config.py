@@ -12,6 +12,7 @@ a program can run is that program's decision (the trainer's, not this file's).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import List, Optional
 
 from parallel.grid import DEFAULT_ORDER, Layout, validate_layout
 
@@ -30,6 +31,12 @@ class ParallelConfig:
     """data-parallel degree; 0 = derive: world_size / (tp * cp * pp)"""
     pp: int = 1
     """pipeline-parallel degree (stages)"""
+    pp_schedule: str = "1f1b"
+    """pipeline schedule: '1f1b' or 'afab' (all forwards, then all backwards)"""
+    pp_split_blocks: bool = False
+    """allow a stage boundary inside an AttnRes block (needed when pp exceeds the block count)"""
+    pp_layout: Optional[List[int]] = None
+    """explicit decoder layers per stage (e.g. [3, 6]); None = balanced by the cost model"""
     ep: int = 1
     """expert-parallel degree (routed experts are split ep ways; must divide moe.num_experts)"""
     etp: int = 1
@@ -77,5 +84,11 @@ class ParallelConfig:
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
                 or not self.timeout_s > 0:
             raise ValueError(f"parallel.timeout_s={self.timeout_s!r} must be a positive number of seconds")
+        if self.pp_schedule not in ("1f1b", "afab"):
+            raise ValueError(f"parallel.pp_schedule={self.pp_schedule!r}: choose 1f1b or afab")
         validate_layout(self.to_layout(world_size), model_cfg)
+        if model_cfg is not None and self.pp > 1:
+            from parallel.pipeline.partition import partition_layers
+
+            partition_layers(model_cfg, self.pp, self.pp_layout, self.pp_split_blocks)
         return self

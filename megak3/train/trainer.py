@@ -20,6 +20,7 @@ import torch.distributed as dist
 from moonep.stats import LoadRecorder
 from parallel.data_parallel import ShardedOptimizer, load_consolidated_state
 from parallel.expert_parallel import parallelize_ep
+from parallel.pipeline import PipelineEngine, keep_stage, partition_layers
 from parallel.moe_stats import reduce_balancer
 from parallel.parallelize import canonical_name, load_full_state, parallelize_tp, sync_partial_grads
 from parallel.state import ParallelState
@@ -62,10 +63,10 @@ class Trainer:
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.config_dict = config_dict
         t, d, par = job.train, job.data, job.parallel
-        for axis in ("cp", "pp", "etp"):
+        for axis in ("cp", "etp"):
             if getattr(ps, f"{axis}_size") > 1:
                 raise ValueError(f"parallel.{axis}={getattr(ps, f'{axis}_size')}: this build trains tensor, "
-                                 f"sequence, data and expert parallel layouts; set parallel.{axis}=1")
+                                 f"sequence, data, expert and pipeline parallel layouts; set parallel.{axis}=1")
         if ps.ep_size > 1 and ps.tp_size > 1 and not par.sequence_parallel:
             raise ValueError(f"parallel.ep={ps.ep_size} with parallel.tp={ps.tp_size} needs "
                              "parallel.sequence_parallel=true (without it every TP rank would dispatch the same "
@@ -109,6 +110,16 @@ class Trainer:
         # expert gradients are complete within the EP group (every token of the TP/EP ranks reaches
         # them through the dispatch), so they are reduced over expert-DP, never summed over TP
         self.plan.partial_grad = [n for n in self.plan.partial_grad if n not in self.ep_shard_dim]
+        # pipeline: this rank keeps its stage's layers (names unchanged, so checkpoints merge across pp)
+        self.engine = None
+        if ps.pp_size > 1:
+            chunks = partition_layers(job.model, ps.pp_size, par.pp_layout, par.pp_split_blocks)
+            mine = chunks[ps.pp_rank]
+            keep_stage(self.model, mine, ps.pp_rank == 0, ps.pp_rank == ps.pp_size - 1)
+            self.engine = PipelineEngine(self.model, mine, ps.pp_group, par.pp_schedule,
+                                         seq_shard=ps.tp_size if self.sequence_parallel else 1)
+            kept = {canonical_name(n) for n, _ in self.model.named_parameters()}
+            self.plan.partial_grad = [n for n in self.plan.partial_grad if n in kept]
         self.model.to(self.device)
         apply_quantization(self.model, job.quant)  # QAT hooks sit where the expert weights live
         self.model.gradient_checkpointing = t.activation_checkpointing
@@ -122,6 +133,8 @@ class Trainer:
             self.optimizer.set_tensor_parallel(ps.tp_group, self.plan.shard_dim)
         if ep:  # EP ranks hold different experts: the grad norm sums their squares over the EP group
             self.optimizer.add_norm_partition(ps.ep_group, experts_only=True)
+        if ps.pp_size > 1:  # stages hold disjoint parameters
+            self.optimizer.add_norm_partition(ps.pp_group)
         mcfg = job.model.moe
         self.balancers = [QBAccumulator(mcfg.num_experts, mcfg.top_k, mcfg.qb_method, mcfg.qb_bins)
                           for _ in self.model.moe_layers()] if mcfg.balancing == "quantile" else []
@@ -183,7 +196,7 @@ class Trainer:
         if self.rank == 0:
             common = {"step": self.step, "train_data": self.train_data.state_dict(),
                       "rng": ckpt.capture_rng_state(), "world_size": self.ps.world_size,
-                      "layout": {"tp": self.ps.tp_size, "dp": self.ps.dp_size, "ep": self.ps.ep_size,
+                      "layout": {"tp": self.ps.tp_size, "dp": self.ps.dp_size, "ep": self.ps.ep_size, "pp": self.ps.pp_size,
                                  "sequence_parallel": self.sequence_parallel}}
             meta = {"step": self.step, "dataset": str(self.dataset_prefix), "config": self.config_dict}
             parts = {f"rank_{r:05d}.pt": e for r, e in entries}
@@ -253,18 +266,26 @@ class Trainer:
         step_tokens = self._sum(local_tokens, [ps.dp_group] if ps.dp_group is not None else [])
         loads, loss_sum = None, 0.0
         biases = [m.gate.e_score_correction_bias for m in model.moe_layers()]
-        for b in micro:
+        if self.engine is not None:  # the pipeline schedule runs every micro-batch's forward/backward
             with self._autocast():
-                out = model(b["input_ids"], labels=b["labels"], cu_seqlens=b.get("cu_seqlens"))
-            (out.loss_sum / max(step_tokens, 1)).backward()
-            loss_sum += out.loss_sum.item()
-            if out.moe_stats:
-                counts = torch.stack([s.tokens_per_expert_E.float() for s in out.moe_stats])
+                loss_sum, per_mb = self.engine.train_step(micro, step_tokens)
+            stats_per_mb = per_mb
+        else:
+            stats_per_mb = []
+            for b in micro:
+                with self._autocast():
+                    out = model(b["input_ids"], labels=b["labels"], cu_seqlens=b.get("cu_seqlens"))
+                (out.loss_sum / max(step_tokens, 1)).backward()
+                loss_sum += out.loss_sum.item()
+                stats_per_mb.append(out.moe_stats)
+        for moe_stats in stats_per_mb:
+            if moe_stats:
+                counts = torch.stack([s.tokens_per_expert_E.float() for s in moe_stats])
                 loads = counts if loads is None else loads + counts
                 if ps.ep_size == 1:  # under EP the dispatchers record (with the plan)
-                    for i, st in enumerate(out.moe_stats):
+                    for i, st in enumerate(moe_stats):
                         self.load_recorder.record(i, st.tokens_per_expert_E.view(1, -1))
-            for acc, st, bias in zip(self.balancers, out.moe_stats, biases):
+            for acc, st, bias in zip(self.balancers, moe_stats, biases):
                 acc.add(st.scores_TE, bias)
         sync_partial_grads(model, self.plan, ps.tp_group)
         loss_sum = self._sum(loss_sum, [ps.dp_group] if ps.dp_group is not None else [])
@@ -272,6 +293,9 @@ class Trainer:
             for g in self.token_groups:
                 dist.all_reduce(loads, group=g)
         maxvio = float(sum(max_violation(l) for l in loads) / len(loads)) if loads is not None else 0.0
+        if ps.pp_size > 1:  # every stage reports the mean over the model's MoE layers
+            maxvio = self._sum(maxvio * len(self.balancers), [ps.pp_group]) / max(
+                self._sum(len(self.balancers), [ps.pp_group]), 1)
         tokens = sum(b["input_ids"].numel() for b in micro) * ps.dp_size
         return {"loss": loss_sum / max(step_tokens, 1), "expert_load_max_violation": maxvio, "tokens": tokens}
 
@@ -327,6 +351,10 @@ class Trainer:
         for _ in range(max(1, self.job.train.eval_batches)):
             b = self._to_device(next(batches))
             with self._autocast():
+                if self.engine is not None:
+                    ls, nt = self.engine.forward_only([b])
+                    total, n = total + ls, n + nt
+                    continue
                 out = self.model(b["input_ids"], labels=b["labels"], cu_seqlens=b.get("cu_seqlens"))
             total += out.loss_sum.item()
             n += out.num_tokens

@@ -202,3 +202,29 @@ def test_dtype_dispatch_and_errors():
         chunk_kda(q, k, v, g, beta, initial_state=torch.zeros(2, 2, 16, 8))
     with pytest.raises(ValueError, match="cu_seqlens"):
         recurrent_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 50]))
+
+
+@pytest.mark.parametrize("C", [1, 5, 16, 64])
+def test_unit_lower_inverse_variants(C):
+    """The no-grad in-place block inverse and the autograd one both invert I + L (checked vs linalg.inv)."""
+    gen = torch.Generator().manual_seed(12)
+    L = (0.3 * torch.randn(3, 2, C, C, generator=gen, dtype=torch.float64)).tril(-1)
+    ref = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + L)
+    assert max_err(kda_mod._unit_lower_inverse(L), ref) < 1e-10
+    assert max_err(kda_mod._unit_lower_inverse_inplace(L), ref) < 1e-10
+    assert max_err(kda_mod._unit_lower_inverse_inplace(L[:, 1]), ref[:, 1]) < 1e-10  # non-zero offset view
+
+
+@pytest.mark.parametrize("T", [64, 100])
+def test_chunk_no_grad_path_matches_grad_path(T):
+    """Inference (no autograd: in-place inverse) and training (autograd) paths agree with the reference."""
+    q, k, v, g, beta = make_inputs(2, T, 2, 16, 8, seed=13)
+    S0 = torch.randn(2, 2, 16, 8)
+    o_ref, S_ref = reference_kda(q, k, v, g, beta, S0=S0)
+    with torch.no_grad():
+        o_n, S_n = chunk_kda(q, k, v, g, beta, initial_state=S0, output_final_state=True, chunk_size=64)
+    args = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    o_g, S_g = chunk_kda(*args, initial_state=S0, output_final_state=True, chunk_size=64)
+    assert o_g.requires_grad and not o_n.requires_grad
+    for o, S in ((o_n, S_n), (o_g, S_g)):
+        assert max_err(o, o_ref) < TOL and max_err(S, S_ref) < TOL

@@ -1,5 +1,5 @@
 """The training program under pipeline parallelism (torchrun, gloo, fp32): pp2 (1F1B and AFAB),
-pp2 x dp2 and pp2 x tp2 (+SP) reproduce the single-process losses; a pp2 checkpoint resumes on one
+pp2 x dp2, pp2 x tp2 (+SP) and pp2 x ep2 (MoonEP inside each stage) reproduce the single-process losses; a pp2 checkpoint resumes on one
 process and at pp2 x dp2 with the same losses."""
 import shutil
 
@@ -18,7 +18,8 @@ def test_pipeline_layouts_and_resume(corpus_dataset, tmp_path):
     layouts = {"pp2": (2, ["parallel.pp=2"]),
                "pp2_afab": (2, ["parallel.pp=2", "parallel.pp_schedule=afab"]),
                "pp2dp2": (4, ["parallel.pp=2"]),
-               "pp2tp2sp": (4, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"])}
+               "pp2tp2sp": (4, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+               "pp2ep2": (4, ["parallel.pp=2", "parallel.ep=2"])}
     for name, (nproc, extra) in layouts.items():
         d = tmp_path / name
         _run(d, nproc, "train.max_steps=2", *extra)

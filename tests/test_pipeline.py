@@ -96,3 +96,22 @@ def test_pp2_schedules_match_one_process():
 def test_pp4_split_blocks_match_one_process():
     cases = [(s, m, True) for s in ("afab", "1f1b") for m in (4, 8)]
     _check(run_distributed(_stage, 4, cases, timeout_s=300), 4, cases)
+
+
+def test_pipeline_trace_tool(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "pipeline_trace.py"
+    spec = importlib.util.spec_from_file_location("pipeline_trace", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    # hand-computed: 2 stages, span 0..4; stage 0 busy 3 (bubble 1/4), stage 1 busy 2 (bubble 1/2)
+    traces = [[("F", 0, 0.0, 1.0), ("B", 0, 2.0, 4.0), ("send_F", 0, 1.0, 1.5)],
+              [("F", 0, 1.0, 2.0), ("B", 0, 2.0, 3.0)]]
+    mean, per, t0 = tool.bubble(traces)
+    assert per == [0.25, 0.5] and mean == 0.375 and t0 == 0.0
+    out = tmp_path / "trace.png"
+    measured, theory = tool.main(["--pp", "2", "--micro-batches", "2", "--layers", "4", "--seqlen", "16",
+                                  "--steps", "1", "--out", str(out)])
+    assert out.stat().st_size > 0 and 0.0 <= measured < 1.0 and theory == 1 / 3

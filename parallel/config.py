@@ -32,7 +32,10 @@ class ParallelConfig:
     pp: int = 1
     """pipeline-parallel degree (stages)"""
     pp_schedule: str = "1f1b"
-    """pipeline schedule: '1f1b' or 'afab' (all forwards, then all backwards)"""
+    """pipeline schedule: 'afab' (all forwards, then all backwards), '1f1b', 'interleaved_1f1b'
+    (needs vp >= 2) or 'zb_h1' (zero bubble: weight gradients split off and delayed)"""
+    vp: int = 1
+    """model chunks per pipeline rank (virtual stages; interleaved_1f1b)"""
     pp_split_blocks: bool = False
     """allow a stage boundary inside an AttnRes block (needed when pp exceeds the block count)"""
     pp_layout: Optional[List[int]] = None
@@ -62,7 +65,7 @@ class ParallelConfig:
 
     def to_layout(self, world_size: int) -> Layout:
         """The grid of this config on `world_size` ranks (dp derived when 0); not yet validated."""
-        for f in ("tp", "cp", "pp", "ep", "etp"):
+        for f in ("tp", "cp", "pp", "ep", "etp", "vp"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"parallel.{f}={v!r} must be an integer >= 1")
@@ -84,11 +87,20 @@ class ParallelConfig:
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
                 or not self.timeout_s > 0:
             raise ValueError(f"parallel.timeout_s={self.timeout_s!r} must be a positive number of seconds")
-        if self.pp_schedule not in ("1f1b", "afab"):
-            raise ValueError(f"parallel.pp_schedule={self.pp_schedule!r}: choose 1f1b or afab")
+        from parallel.pipeline.schedules import check_schedule
+
+        check_schedule(self.pp_schedule, max(self.pp, 2), self.vp, 2 * max(self.pp, 2))
         validate_layout(self.to_layout(world_size), model_cfg)
         if model_cfg is not None and self.pp > 1:
-            from parallel.pipeline.partition import partition_layers
+            from parallel.pipeline.partition import rank_chunks
 
-            partition_layers(model_cfg, self.pp, self.pp_layout, self.pp_split_blocks)
+            rank_chunks(model_cfg, self.pp, 0, self.vp, self.pp_layout, self.pp_split_blocks)
         return self
+
+
+def check_expert_tp(ep: int, tp: int, sequence_parallel: bool) -> None:
+    """Training with ep > 1 and tp > 1 needs sequence parallelism (as in Megatron-Core); the grid
+    itself does not (JobConfig.validate and the Trainer call this)."""
+    if ep > 1 and tp > 1 and not sequence_parallel:
+        raise ValueError(f"parallel.ep={ep} with parallel.tp={tp} needs parallel.sequence_parallel=true (without "
+                         "it every TP rank would dispatch the same tokens to the experts)")

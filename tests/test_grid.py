@@ -237,7 +237,9 @@ def test_config_derives_dp_and_validates():
     assert ParallelConfig().validate().to_layout(1) == Layout(world_size=1)  # the trainer's call
     for bad, needle in [(ParallelConfig(tp=3), "parallel.tp*cp*pp"), (ParallelConfig(dp=-1), "parallel.dp"),
                         (ParallelConfig(dp=2), "parallel.dp=0"), (ParallelConfig(backend="mpi"), "parallel.backend"),
-                        (ParallelConfig(timeout_s=0), "parallel.timeout_s"), (ParallelConfig(cp=0), "parallel.cp=0")]:
+                        (ParallelConfig(timeout_s=0), "parallel.timeout_s"), (ParallelConfig(cp=0), "parallel.cp=0"),
+                        (ParallelConfig(pp=2, vp=2), "needs parallel.pp_schedule=interleaved_1f1b"),
+                        (ParallelConfig(pp=2, pp_schedule="gpipe"), "parallel.pp_schedule='gpipe'")]:
         with pytest.raises(ValueError) as e:
             bad.validate(8)
         assert needle in str(e.value), (bad, str(e.value))

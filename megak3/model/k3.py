@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..ops.weight_grad import checkpoint_contexts
 from ..config import ModelConfig
 from .attn_res import AttnResMix
 from .ffn import SiTUGLUMLP
@@ -122,7 +123,7 @@ class K3Model(nn.Module):
         for layer in layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 partial, blocks, st = checkpoint(_call_layer, layer, partial, seq, mask, *blocks,
-                                                 use_reentrant=False)
+                                                 use_reentrant=False, context_fn=checkpoint_contexts)
             else:
                 partial, blocks, st = layer(partial, blocks, seq, mask)
             if st is not None:

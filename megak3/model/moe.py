@@ -24,6 +24,7 @@ from torch import nn
 
 from megak3.config import ModelConfig
 from megak3.ops.situ import situ_glu
+from megak3.ops.weight_grad import active_store, deferred_grouped_linear
 
 from .ffn import SiTUGLUMLP
 from .norm import RMSNorm
@@ -107,6 +108,9 @@ def grouped_linear(x_XI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E:
     ``use_grouped_mm`` None picks torch's grouped GEMM when it pays off (see ``_grouped_mm_ok``);
     the loop over non-empty experts is its reference twin (one host sync for the counts).
     """
+    store = active_store()
+    if store is not None and w_EOI.requires_grad and x_XI.requires_grad and torch.is_grad_enabled():  # zero-bubble pipelines
+        return deferred_grouped_linear(store, x_XI, w_EOI, tokens_per_expert_E, use_grouped_mm)
     if use_grouped_mm is None:
         use_grouped_mm = _grouped_mm_ok(x_XI, w_EOI)
     if use_grouped_mm and x_XI.shape[0] > 0:  # grouped_mm's backward rejects empty gradients

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from moonep.config import MoonEPConfig
-from parallel.config import ParallelConfig
+from parallel.config import ParallelConfig, check_expert_tp
 
 from ..config import ModelConfig
 from ..data.config import DataConfig
@@ -100,10 +100,13 @@ class JobConfig:
         self.quant.validate()
         self.parallel.validate(world_size, self.model)
         self.moonep.validate(self.model.moe.num_experts, self.parallel.ep)
-        if self.parallel.ep > 1 and self.parallel.tp > 1 and not self.parallel.sequence_parallel:
-            raise ValueError(f"parallel.ep={self.parallel.ep} with parallel.tp={self.parallel.tp} needs "
-                             "parallel.sequence_parallel=true (without it every TP rank would dispatch the same "
-                             "tokens to the experts)")
+        par, t = self.parallel, self.train
+        check_expert_tp(par.ep, par.tp, par.sequence_parallel)
+        rows = t.micro_batch_size * par.resolved_dp(world_size)
+        if par.pp > 1 and t.global_batch_size % rows == 0:  # the schedule against the step's micro-batches
+            from parallel.pipeline.schedules import check_schedule
+
+            check_schedule(par.pp_schedule, par.pp, par.vp, t.global_batch_size // rows)
         if self.data.seq_len > self.model.max_seq_len:
             raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len="
                              f"{self.model.max_seq_len}; lower data.seq_len")

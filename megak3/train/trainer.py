@@ -18,9 +18,11 @@ import torch
 import torch.distributed as dist
 
 from moonep.stats import LoadRecorder
+from parallel.config import check_expert_tp
 from parallel.data_parallel import ShardedOptimizer, load_consolidated_state
 from parallel.expert_parallel import parallelize_ep
-from parallel.pipeline import PipelineEngine, keep_stage, partition_layers
+from parallel.pipeline import PipelineEngine, keep_stage, rank_chunks
+from parallel.pipeline.schedules import check_schedule
 from parallel.moe_stats import reduce_balancer
 from parallel.parallelize import canonical_name, load_full_state, parallelize_tp, sync_partial_grads
 from parallel.state import ParallelState
@@ -67,10 +69,7 @@ class Trainer:
             if getattr(ps, f"{axis}_size") > 1:
                 raise ValueError(f"parallel.{axis}={getattr(ps, f'{axis}_size')}: this build trains tensor, "
                                  f"sequence, data, expert and pipeline parallel layouts; set parallel.{axis}=1")
-        if ps.ep_size > 1 and ps.tp_size > 1 and not par.sequence_parallel:
-            raise ValueError(f"parallel.ep={ps.ep_size} with parallel.tp={ps.tp_size} needs "
-                             "parallel.sequence_parallel=true (without it every TP rank would dispatch the same "
-                             "tokens to the experts)")
+        check_expert_tp(ps.ep_size, ps.tp_size, par.sequence_parallel)
         rows = t.micro_batch_size * ps.dp_size
         if t.global_batch_size % rows:
             raise ValueError(f"train.global_batch_size={t.global_batch_size} must be a multiple of "
@@ -113,11 +112,12 @@ class Trainer:
         # pipeline: this rank keeps its stage's layers (names unchanged, so checkpoints merge across pp)
         self.engine = None
         if ps.pp_size > 1:
-            chunks = partition_layers(job.model, ps.pp_size, par.pp_layout, par.pp_split_blocks)
-            mine = chunks[ps.pp_rank]
+            check_schedule(par.pp_schedule, ps.pp_size, par.vp, self.grad_accum)
+            mine = rank_chunks(job.model, ps.pp_size, ps.pp_rank, par.vp, par.pp_layout, par.pp_split_blocks)
             keep_stage(self.model, mine, ps.pp_rank == 0, ps.pp_rank == ps.pp_size - 1)
             self.engine = PipelineEngine(self.model, mine, ps.pp_group, par.pp_schedule,
-                                         seq_shard=ps.tp_size if self.sequence_parallel else 1)
+                                         seq_shard=ps.tp_size if self.sequence_parallel else 1,
+                                         timeout_s=par.timeout_s)
             kept = {canonical_name(n) for n, _ in self.model.named_parameters()}
             self.plan.partial_grad = [n for n in self.plan.partial_grad if n in kept]
         self.model.to(self.device)
@@ -268,8 +268,7 @@ class Trainer:
         biases = [m.gate.e_score_correction_bias for m in model.moe_layers()]
         if self.engine is not None:  # the pipeline schedule runs every micro-batch's forward/backward
             with self._autocast():
-                loss_sum, per_mb = self.engine.train_step(micro, step_tokens)
-            stats_per_mb = per_mb
+                loss_sum, stats_per_mb = self.engine.train_step(micro, step_tokens)
         else:
             stats_per_mb = []
             for b in micro:

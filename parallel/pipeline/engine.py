@@ -1,37 +1,51 @@
-"""The pipeline executor: one stage of K3 per rank, multi-tensor AttnRes payloads, AFAB and 1F1B.
+"""The pipeline executor: K3 model chunks per rank, multi-tensor AttnRes payloads, any schedule.
 
-Payload. Between stages the depth state is ``(partial, *blocks)``: the current AttnRes block's
-partial sum and every committed block sum. A stage starting at layer s receives
-``ceil(s / block_size)`` blocks plus the partial, all ``[B, T/sp, D]``; the shapes follow from
-the partition and the micro-batch shape, so no shape handshake precedes a transfer. All tensors
-of one transfer go in one ``batch_isend_irecv``. Packed-sequence metadata (``cu_seqlens``) is not
-sent: every stage reads its micro-batch from the (identical) data stream and builds the per-document
-masks itself, which costs nothing and keeps the p2p payload fixed-shape.
+Chunks. Rank r of p runs ``vp`` model chunks; chunk c is virtual stage ``v = c * p + r`` of
+``V = p * vp`` (schedules.py). Virtual stage 0 also runs the embedding (and vision), V - 1 the
+output AttnRes, norm, lm_head and loss.
 
-Schedules (``schedule=``):
-  ``afab``  all forwards, then all backwards (the reference; holds m micro-batches of activations)
-  ``1f1b``  warm-up of (p - 1 - stage) forwards, then one-forward-one-backward, then cool-down:
-            the first stage holds at most p micro-batches of activations. Communication pairs are
-            the combined send-forward/receive-backward operations of Megatron-Core's
-            non-interleaved schedule, so no rank waits on a transfer its peer posts later.
+Payload. Between virtual stages the depth state is ``(partial, *blocks)``: the current AttnRes
+block's partial sum and every committed block sum. A stage starting at layer s receives
+``ceil(s / block_size)`` blocks plus the partial, all ``[B, T/sp, D]``; the shapes follow from the
+partition and the micro-batch shape, so no shape handshake precedes a transfer. Packed-sequence
+metadata (``cu_seqlens``) is not sent: every stage reads its micro-batch from the (identical) data
+stream and builds the per-document masks itself, which keeps the payload fixed-shape.
 
-Loss: the last stage backpropagates ``loss_sum / step_tokens`` per micro-batch (step_tokens = the
-global labelled-token count of the step), so gradients accumulate across micro-batches and ranks
-exactly as in one process. Each rank records (op, micro-batch, start, end) in ``trace``.
+Execution. Every rank builds the whole schedule (all ranks' action lists, schedules.py) and runs its
+own list in order: F, B (with ``zb_h1`` only the input gradients: megak3/ops/weight_grad.py defers
+the GEMM weight gradients) and W. Sends are posted (``isend``) as soon as a payload exists and
+never waited on until the step ends; a rank waits only for the receive its next action needs, so
+any schedule the simulator completes runs without deadlock. Receives from one peer are posted in
+the order that peer sends them (known from its action list), so the per-pair FIFO order holds also
+on backends that ignore tags (NCCL); every message also has a unique tag. A receive that does not
+complete within ``timeout_s`` raises an error naming the stage, the message and the peer (a failed
+or hung neighbour never leaves this rank blocked forever).
+
+Loss: virtual stage V - 1 backpropagates ``loss_sum / step_tokens`` per micro-batch (step_tokens =
+the global labelled-token count of the step), so gradients accumulate across micro-batches and
+ranks exactly as in one process. Each rank records (op, chunk, micro-batch, start, end) in
+``trace``; ``peak_activation_bytes`` (with ``measure_memory=True``) is the most autograd-saved
+activation memory (plus deferred W inputs) this rank held during the last step, and
+``p2p_bytes_per_mb`` the bytes it sent per micro-batch, forward and backward.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from datetime import timedelta
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from megak3.model.mla import attention_mask
 from megak3.model.seqinfo import make_seq_info
+from megak3.ops.weight_grad import WeightGradStore
 
-SCHEDULES = ("afab", "1f1b")
+from .schedules import SCHEDULES, Action, build_schedule, check_schedule, splits_weight_grad
+
+__all__ = ["AbsentLayer", "PipelineEngine", "SCHEDULES", "keep_stage"]
+
+_MAX_PAYLOAD = 1000  # tensors in one transfer (tag space per message)
 
 
 class AbsentLayer(torch.nn.Module):
@@ -40,13 +54,16 @@ class AbsentLayer(torch.nn.Module):
     is_moe = False
 
 
-def keep_stage(model, layers: range, first: bool, last: bool) -> None:
-    """Drop every module this stage does not run, in place: other stages' decoder layers become
+def keep_stage(model, layers, first: bool, last: bool) -> None:
+    """Drop every module this rank does not run, in place: other ranks' decoder layers become
     :class:`AbsentLayer` (parameter names keep their single-process form, ``layers.{i}.``, so
-    checkpoints merge across pp), the embedding/vision leave non-first stages and the output
-    AttnRes/norm/lm_head leave non-last stages."""
+    checkpoints merge across pp), the embedding/vision leave all but the first stage and the output
+    AttnRes/norm/lm_head all but the last. ``layers``: a range or a list of ranges (model chunks)."""
+    keep = set()
+    for chunk in ([layers] if isinstance(layers, range) else layers):
+        keep.update(chunk)
     for i in range(len(model.layers)):
-        if i not in layers:
+        if i not in keep:
             model.layers[i] = AbsentLayer()
     if not first:
         model.embed_tokens = None
@@ -55,217 +72,316 @@ def keep_stage(model, layers: range, first: bool, last: bool) -> None:
         model.output_attn_res = model.norm = model.lm_head = None
 
 
-@dataclass
-class StageSchedule:
-    """Which stage this rank runs and with whom it talks."""
+class _ActivationMeter:
+    """Bytes of tensors autograd saved for backward and still holds (parameters excluded), counted
+    once per storage, via saved-tensor hooks: a tensor is released when its graph node frees it."""
 
-    stage: int
-    num_stages: int
-    prev_rank: Optional[int]
-    """global rank of the previous stage (None on the first)"""
-    next_rank: Optional[int]
+    def __init__(self, params):
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.refs: Dict[int, int] = {}
+        self.live = self.peak = 0
+        self.extra = lambda: 0
+
+    def pack(self, t):
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+            return t
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr in self.params:
+            return t
+        if ptr not in self.refs:
+            self.live += st.nbytes()
+            self.refs[ptr] = 0
+            self.sample()
+        self.refs[ptr] += 1
+        return _Held(self, t, ptr, st.nbytes())
+
+    @staticmethod
+    def unpack(h):
+        return h.t if isinstance(h, _Held) else h
+
+    def release(self, ptr, nbytes):
+        self.refs[ptr] -= 1
+        if not self.refs[ptr]:
+            del self.refs[ptr]
+            self.live -= nbytes
+
+    def sample(self):
+        self.peak = max(self.peak, self.live + self.extra())
+
+
+class _Held:
+    __slots__ = ("meter", "t", "ptr", "nbytes")
+
+    def __init__(self, meter, t, ptr, nbytes):
+        self.meter, self.t, self.ptr, self.nbytes = meter, t, ptr, nbytes
+
+    def __del__(self):
+        self.meter.release(self.ptr, self.nbytes)
 
 
 class PipelineEngine:
-    """Runs ``layers`` of ``model`` (plus the embedding on the first stage and the head + loss on
+    """Runs this rank's model chunks (plus the embedding on virtual stage 0 and the head + loss on
     the last) for one optimizer step's micro-batches under a pipeline schedule.
 
-    model: the full single-process K3Model (same seed on every rank; only this stage's modules run,
-        and only their parameters receive gradients: drop the others to save memory).
-    layers: this stage's layer range (parallel.pipeline.partition_layers).
-    group: the pipeline process group (None with one stage); stage = rank in it.
+    model: the full single-process K3Model (same seed on every rank; only this rank's modules run,
+        and only their parameters receive gradients: ``keep_stage`` drops the others).
+    chunks: this rank's layer range, or its ``vp`` ranges in chunk order (chunk c = virtual stage
+        c * p + r of parallel.pipeline.partition_layers(cfg, p * vp)).
+    group: the pipeline process group (None with one stage); rank r = rank in it.
+    schedule: one of schedules.SCHEDULES.
     seq_shard: the factor by which the token axis is sharded between stages (tp under SP).
+    timeout_s: how long a receive may wait before the step fails with a clear error.
     """
 
-    def __init__(self, model, layers: range, group=None, schedule: str = "1f1b", seq_shard: int = 1):
-        if schedule not in SCHEDULES:
-            raise ValueError(f"parallel.pp_schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")
-        self.model = model
-        self.layers = layers
-        self.modules = [model.layers[i] for i in layers]
-        if any(isinstance(mod, AbsentLayer) for mod in self.modules):
-            raise ValueError(f"layers {layers.start}..{layers.stop - 1} include a layer dropped by keep_stage")
-        self.group = group
-        p = 1 if group is None else dist.get_world_size(group)
-        s = 0 if group is None else dist.get_rank(group)
-        peer = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
-        self.sched = StageSchedule(s, p, peer(s - 1) if s > 0 else None, peer(s + 1) if s < p - 1 else None)
-        self.first, self.last = s == 0, s == p - 1
-        if self.first and layers.start != 0 or self.last and layers.stop != model.config.num_layers:
-            raise ValueError(f"stage {s} of {p} got layers {layers.start}..{layers.stop - 1}; the first stage must "
-                             f"start at layer 0 and the last end at layer {model.config.num_layers - 1}")
-        bs = model.config.attn_res_block_size
-        self.blocks_in = (layers.start + bs - 1) // bs
-        """committed AttnRes blocks entering this stage"""
-        self.blocks_out = (layers.stop + bs - 1) // bs
-        self.schedule = schedule
+    def __init__(self, model, chunks: Union[range, Sequence[range]], group=None, schedule: str = "1f1b",
+                 seq_shard: int = 1, timeout_s: float = 300.0, measure_memory: bool = False):
+        chunks = [chunks] if isinstance(chunks, range) else list(chunks)
+        self.p = 1 if group is None else dist.get_world_size(group)
+        self.r = 0 if group is None else dist.get_rank(group)
+        self.vp = len(chunks)
+        check_schedule(schedule, self.p, self.vp, self.p if schedule == "interleaved_1f1b" else 1)
+        self.model, self.group, self.schedule = model, group, schedule
+        self.chunks = chunks
+        self.V = self.p * self.vp
+        L, bs = model.config.num_layers, model.config.attn_res_block_size
+        self.modules = []
+        for c, rng in enumerate(chunks):
+            mods = [model.layers[i] for i in rng]
+            if any(isinstance(mod, AbsentLayer) for mod in mods) or len(rng) == 0:
+                raise ValueError(f"model chunk {c} (layers {rng.start}..{rng.stop - 1}) is empty or includes a "
+                                 "layer dropped by keep_stage")
+            self.modules.append(mods)
+        if any(a.stop > b.start for a, b in zip(chunks, chunks[1:])):
+            raise ValueError(f"model chunks {chunks} must be in increasing layer order")
+        if self.r == 0 and chunks[0].start != 0 or self.r == self.p - 1 and chunks[-1].stop != L:
+            raise ValueError(f"pipeline rank {self.r} of {self.p} got layers {[(c.start, c.stop - 1) for c in chunks]}; "
+                             f"virtual stage 0 must start at layer 0 and the last end at layer {L - 1}")
+        self.blocks_in = [(c.start + bs - 1) // bs for c in chunks]
+        """committed AttnRes blocks entering each of this rank's chunks"""
+        self.blocks_out = [(c.stop + bs - 1) // bs for c in chunks]
         self.seq_shard = seq_shard
+        self.timeout = timedelta(seconds=float(timeout_s))
+        self.measure_memory = measure_memory
         self.trace: List[tuple] = []
         self.max_inflight = 0
-        """most micro-batches whose activations this stage held at once (last train_step)"""
+        """most (chunk, micro-batch) activation sets this rank held at once (last train_step)"""
+        self.peak_activation_bytes = 0
+        self.p2p_bytes_per_mb = {"F": 0, "B": 0}
+        self.store = WeightGradStore()
 
-    # ---- communication -------------------------------------------------------------------------
-    def _shapes(self, mb, n_blocks):
-        B, T = mb["input_ids"].shape
-        return [(B, T // self.seq_shard, self.model.config.hidden_size)] * (1 + n_blocks)
+    # ---- topology --------------------------------------------------------------------------------
+    def _v(self, chunk: int) -> int:
+        return chunk * self.p + self.r
 
-    def _p2p(self, mb_idx: int, send=None, send_to=None, recv_shapes=None, recv_from=None, tag="p2p"):
-        ops, bufs = [], []
-        if send is not None:
-            ops += [dist.P2POp(dist.isend, t.detach().contiguous(), send_to, self.group) for t in send]
-        if recv_shapes is not None:
-            bufs = [torch.empty(s, dtype=self.dtype, device=self.device) for s in recv_shapes]
-            ops += [dist.P2POp(dist.irecv, b, recv_from, self.group) for b in bufs]
-        if not ops:
-            return bufs
+    def _rank_of(self, v: int) -> int:
+        return v % self.p
+
+    def _global(self, r: int) -> int:
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def _tag(self, key, j: int) -> int:
+        kind, v, i = key
+        return ((i * self.V + v) * 2 + (kind == "B")) * _MAX_PAYLOAD + j
+
+    # ---- communication ---------------------------------------------------------------------------
+    def _plan_messages(self, schedule: List[List[Action]]):
+        """For every peer, the keys of the messages it sends to this rank, in its send order."""
+        incoming: Dict[int, list] = {}
+        for q, acts in enumerate(schedule):
+            for a in acts:
+                v = a.chunk * self.p + q
+                if a.kind == "F" and v < self.V - 1:
+                    key = ("F", v + 1, a.mb)
+                elif a.kind == "B" and v > 0:
+                    key = ("B", v - 1, a.mb)
+                else:
+                    continue
+                if self._rank_of(key[1]) == self.r:
+                    incoming.setdefault(q, []).append(key)
+        self._incoming = incoming
+        self._next_post = {q: 0 for q in incoming}
+        self._posted: Dict[tuple, tuple] = {}
+        self._local: Dict[tuple, list] = {}
+        self._sends: List[tuple] = []
+
+    def _shapes(self, key):
+        kind, v, i = key
+        c = v // self.p
+        B, T = self._mbs[i]["input_ids"].shape
+        n = self.blocks_in[c] if kind == "F" else self.blocks_out[c]
+        return [(B, T // self.seq_shard, self.model.config.hidden_size)] * (1 + n)
+
+    def _send(self, key, tensors) -> None:
+        dst = self._rank_of(key[1])
+        tensors = [t.detach().contiguous() for t in tensors]
+        if len(tensors) > _MAX_PAYLOAD:
+            raise ValueError(f"a pipeline payload of {len(tensors)} tensors exceeds {_MAX_PAYLOAD}")
+        self.p2p_bytes_per_mb[key[0]] += sum(t.numel() * t.element_size() for t in tensors)
+        if dst == self.r:  # neighbouring chunks on one rank (p == 1)
+            self._local[key] = tensors
+            return
         t0 = time.perf_counter()
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-        self.trace.append((tag, mb_idx, t0, time.perf_counter()))
+        for j, t in enumerate(tensors):
+            work = dist.isend(t, self._global(dst), group=self.group, tag=self._tag(key, j))
+            self._sends.append((work, t))
+        self.trace.append(("send_" + key[0], key[1] // self.p, key[2], t0, time.perf_counter()))
+        self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+
+    def _recv(self, key) -> List[torch.Tensor]:
+        if key in self._local:
+            return self._local.pop(key)
+        src = self._rank_of(key[1] + (-1 if key[0] == "F" else 1))
+        order = self._incoming[src]
+        while key not in self._posted:  # post in the sender's order
+            k = order[self._next_post[src]]
+            self._next_post[src] += 1
+            bufs = [torch.empty(s, dtype=self.dtype, device=self.device) for s in self._shapes(k)]
+            works = [dist.irecv(b, self._global(src), group=self.group, tag=self._tag(k, j))
+                     for j, b in enumerate(bufs)]
+            self._posted[k] = (bufs, works)
+        bufs, works = self._posted.pop(key)
+        t0 = time.perf_counter()
+        for w in works:
+            self._wait(w, self._timeout_msg(key, src))
+        self.trace.append(("recv_" + key[0], key[1] // self.p, key[2], t0, time.perf_counter()))
         return bufs
 
-    # ---- compute -------------------------------------------------------------------------------
-    def _forward(self, i: int, mb, inputs):
-        model = self.model
+    def _wait(self, work, context: str) -> None:
+        try:
+            ok = work.wait(self.timeout)
+        except Exception as e:  # noqa: BLE001 - backend-specific timeout/abort errors
+            raise RuntimeError(f"{context} ({type(e).__name__}: {e})") from e
+        if ok is False:
+            raise RuntimeError(context)
+
+    def _timeout_msg(self, key, src) -> str:
+        what = "activations" if key[0] == "F" else "output gradients"
+        return (f"pipeline rank {self.r} (virtual stage {key[1]}) got no {what} for micro-batch {key[2]} from "
+                f"pipeline rank {src} within {self.timeout.total_seconds():.0f} s: that rank failed or hangs "
+                "(see its error); raise parallel.timeout_s only if the stage is just slow")
+
+    def _finish_sends(self) -> None:
+        for w, _ in self._sends:
+            self._wait(w, f"pipeline rank {self.r}: a send to a neighbouring stage did not complete within "
+                          f"{self.timeout.total_seconds():.0f} s: that rank failed or hangs (see its error)")
+        self._sends = []
+
+    # ---- compute ---------------------------------------------------------------------------------
+    def _forward(self, c: int, i: int, inputs):
+        model, mb, v = self.model, self._mbs[i], self._v(c)
         t0 = time.perf_counter()
         ids = mb["input_ids"]
         B, T = ids.shape
         seq = make_seq_info(B, T, mb.get("cu_seqlens"), ids.device)
         mask = attention_mask(seq, ids.device) if model.has_mla else None
-        if self.first:
+        if v == 0:
             x = model.embed(ids, mb.get("images"))
             if model.sequence_shard is not None:
                 x = model.sequence_shard(x)
             partial, blocks = x, ()
         else:
             partial, blocks = inputs[0], tuple(inputs[1:])
-        partial, blocks, stats = model.run_layers(self.modules, partial, blocks, seq, mask)
-        if self.last:
-            loss_sum, n = model.loss_fn(model.head(partial, blocks), mb["labels"])
+        partial, blocks, stats = model.run_layers(self.modules[c], partial, blocks, seq, mask)
+        if v == self.V - 1:
+            loss_sum, _ = model.loss_fn(model.head(partial, blocks), mb["labels"])
             out = (loss_sum,)
         else:
             out = (partial, *blocks)
-        self.trace.append(("F", i, t0, time.perf_counter()))
+        self.trace.append(("F", c, i, t0, time.perf_counter()))
         return out, stats
 
-    def _backward(self, i: int, inputs, outputs, grads):
+    def _backward(self, c: int, i: int, inputs, outputs, grads):
         t0 = time.perf_counter()
-        if self.last:
+        self.store.key = (c, i)
+        if self._v(c) == self.V - 1:
             (outputs[0] / self.step_tokens).backward()
         else:
-            torch.autograd.backward(list(outputs), grad_tensors=list(grads))
+            pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
+            torch.autograd.backward([o for o, _ in pairs], grad_tensors=[g for _, g in pairs])
         in_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
-        self.trace.append(("B", i, t0, time.perf_counter()))
+        self.trace.append(("B", c, i, t0, time.perf_counter()))
         return in_grads
 
-    # ---- evaluation ----------------------------------------------------------------------------
+    # ---- the executor ------------------------------------------------------------------------------
+    def _run(self, micro_batches, schedule: List[List[Action]], train: bool):
+        param = next(self.model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        self._mbs = micro_batches
+        self.trace = []
+        self.p2p_bytes_per_mb = {"F": 0, "B": 0}
+        self._plan_messages(schedule)
+        saved = {}
+        stats_all: List[list] = [[] for _ in micro_batches]
+        loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)
+        inflight = 0
+        meter = _ActivationMeter(self.model.parameters()) if self.measure_memory else None
+        if meter is not None:
+            meter.extra = lambda: self.store.bytes_held
+        for a in schedule[self.r]:
+            c, i, v = a.chunk, a.mb, self._v(a.chunk)
+            if a.kind == "F":
+                inputs = [] if v == 0 else self._recv(("F", v, i))
+                if train:
+                    inputs = [b.requires_grad_(True) for b in inputs]
+                if meter is not None:
+                    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+                        out, st = self._forward(c, i, inputs)
+                else:
+                    out, st = self._forward(c, i, inputs)
+                stats_all[i].extend(st)
+                if v == self.V - 1:
+                    loss_sum[0] += out[0].detach().double()
+                    loss_sum[1] += int((self._mbs[i]["labels"] != -100).sum())
+                else:
+                    self._send(("F", v + 1, i), out)
+                if train:
+                    saved[(c, i)] = (inputs, out)
+                    inflight = max(inflight, len(saved))
+            elif a.kind == "B":
+                inputs, out = saved.pop((c, i))
+                grads = None if v == self.V - 1 else self._recv(("B", v, i))
+                g_in = self._backward(c, i, inputs, out, grads)
+                del out, grads
+                if v > 0:
+                    self._send(("B", v - 1, i), g_in)
+            else:
+                t0 = time.perf_counter()
+                self.store.flush((c, i))
+                self.trace.append(("W", c, i, t0, time.perf_counter()))
+            if meter is not None:
+                meter.sample()
+        self._finish_sends()
+        m = max(len(micro_batches), 1)
+        self.p2p_bytes_per_mb = {k: n // m for k, n in self.p2p_bytes_per_mb.items()}
+        self.max_inflight = inflight
+        if meter is not None:
+            self.peak_activation_bytes = meter.peak
+        if self.group is not None and self.p > 1:  # every stage reports the step's loss
+            dist.all_reduce(loss_sum, group=self.group)
+        return loss_sum, stats_all
+
+    # ---- evaluation ------------------------------------------------------------------------------
     @torch.no_grad()
     def forward_only(self, micro_batches: Sequence[dict]):
         """(loss_sum, labelled tokens) over ``micro_batches``, identical on every stage."""
-        param = next(self.model.parameters())
-        self.dtype, self.device = param.dtype, param.device
-        loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for i, mb in enumerate(micro_batches):
-            inputs = [] if self.first else self._p2p(i, recv_shapes=self._shapes(mb, self.blocks_in),
-                                                     recv_from=self.sched.prev_rank, tag="recv_F")
-            out, _ = self._forward(i, mb, inputs)
-            if self.last:
-                loss_sum[0] += out[0].double()
-                loss_sum[1] += int((mb["labels"] != -100).sum())
-            else:
-                self._p2p(i, send=out, send_to=self.sched.next_rank, tag="send_F")
-        if self.group is not None and self.sched.num_stages > 1:
-            dist.all_reduce(loss_sum, group=self.group)
+        fwd = [[Action("F", c, i) for i in range(len(micro_batches)) for c in range(self.vp)]] * self.p
+        loss_sum, _ = self._run(micro_batches, fwd, train=False)
         return float(loss_sum[0]), int(loss_sum[1])
 
-    # ---- one step ------------------------------------------------------------------------------
+    # ---- one step --------------------------------------------------------------------------------
     def train_step(self, micro_batches: Sequence[dict], step_tokens: int):
         """Forward + backward of every micro-batch; gradients accumulate in ``.grad``.
 
-        Returns (loss_sum of the step, identical on every stage; MoE stats of this stage's layers,
-        one list per micro-batch)."""
+        Returns (loss_sum of the step, identical on every stage; MoE stats of this rank's layers,
+        one list per micro-batch in layer order)."""
         m = len(micro_batches)
-        if m < 1:
-            raise ValueError("train_step needs at least one micro-batch")
-        p, s = self.sched.num_stages, self.sched.stage
+        schedule = build_schedule(self.schedule, self.p, m, self.vp)
         self.step_tokens = max(int(step_tokens), 1)
-        param = next(self.model.parameters())
-        self.dtype, self.device = param.dtype, param.device
-        self.trace = []
-        saved = {}          # micro-batch -> (inputs, outputs)
-        stats_all: List = [None] * m
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        inflight = [0]
-
-        def recv_fwd(i):
-            if self.first:
-                return []
-            bufs = self._p2p(i, recv_shapes=self._shapes(micro_batches[i], self.blocks_in),
-                             recv_from=self.sched.prev_rank, tag="recv_F")
-            return [b.requires_grad_(True) for b in bufs]
-
-        def fwd(i, inputs):
-            nonlocal loss_sum
-            out, st = self._forward(i, micro_batches[i], inputs)
-            stats_all[i] = st
-            saved[i] = (inputs, out)
-            inflight[0] = max(inflight[0], len(saved))
-            if self.last:
-                loss_sum = loss_sum + out[0].detach().double()
-            return out
-
-        def bwd(i, grads):
-            inputs, out = saved.pop(i)
-            return self._backward(i, inputs, out, grads)
-
-        if self.schedule == "afab":
-            for i in range(m):
-                out = fwd(i, recv_fwd(i))
-                if not self.last:
-                    self._p2p(i, send=out, send_to=self.sched.next_rank, tag="send_F")
-            for i in range(m):
-                grads = None
-                if not self.last:
-                    grads = self._p2p(i, recv_shapes=self._shapes(micro_batches[i], self.blocks_out),
-                                      recv_from=self.sched.next_rank, tag="recv_B")
-                g_in = bwd(i, grads)
-                if not self.first:
-                    self._p2p(i, send=g_in, send_to=self.sched.prev_rank, tag="send_B")
+        if splits_weight_grad(self.schedule):
+            with self.store.capture():
+                loss_sum, stats = self._run(micro_batches, schedule, train=True)
+            self.store.flush_all()  # nothing is left normally; a guard against a schedule bug
         else:
-            warm = min(p - 1 - s, m)
-            for i in range(warm):
-                out = fwd(i, recv_fwd(i))
-                if not self.last:
-                    self._p2p(i, send=out, send_to=self.sched.next_rank, tag="send_F")
-            inputs = recv_fwd(warm) if warm < m else None
-            for k in range(m - warm):
-                i_f, i_b = warm + k, k
-                out = fwd(i_f, inputs)
-                grads = None
-                if not self.last:  # send this forward, receive the oldest backward, one batch
-                    grads = self._p2p(i_f, send=out, send_to=self.sched.next_rank,
-                                      recv_shapes=self._shapes(micro_batches[i_b], self.blocks_out),
-                                      recv_from=self.sched.next_rank, tag="send_F+recv_B")
-                g_in = bwd(i_b, grads)
-                more = k < m - warm - 1
-                if self.first:
-                    inputs = []
-                elif more:        # send this backward, receive the next forward, one batch
-                    bufs = self._p2p(i_b, send=g_in, send_to=self.sched.prev_rank,
-                                     recv_shapes=self._shapes(micro_batches[i_f + 1], self.blocks_in),
-                                     recv_from=self.sched.prev_rank, tag="send_B+recv_F")
-                    inputs = [b.requires_grad_(True) for b in bufs]
-                else:
-                    self._p2p(i_b, send=g_in, send_to=self.sched.prev_rank, tag="send_B")
-            for i_b in range(m - warm, m):
-                grads = None
-                if not self.last:
-                    grads = self._p2p(i_b, recv_shapes=self._shapes(micro_batches[i_b], self.blocks_out),
-                                      recv_from=self.sched.next_rank, tag="recv_B")
-                g_in = bwd(i_b, grads)
-                if not self.first:
-                    self._p2p(i_b, send=g_in, send_to=self.sched.prev_rank, tag="send_B")
-        self.max_inflight = inflight[0]
-        if self.group is not None and p > 1:  # every stage reports the step's loss
-            dist.all_reduce(loss_sum, group=self.group)
-        return float(loss_sum), stats_all
+            loss_sum, stats = self._run(micro_batches, schedule, train=True)
+        return float(loss_sum[0]), stats

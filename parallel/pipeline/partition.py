@@ -28,17 +28,18 @@ def _head_cost(cfg) -> float:
 
 
 def partition_layers(cfg, pp: int, layout: Optional[Sequence[int]] = None,
-                     allow_split_blocks: bool = False) -> List[range]:
-    """``pp`` contiguous layer ranges covering every layer.
+                     allow_split_blocks: bool = False, name: str = "parallel.pp") -> List[range]:
+    """``pp`` contiguous layer ranges covering every layer (``pp`` = stages x model chunks per
+    stage; ``name`` is how error messages call that count).
 
     layout: explicit layer counts per stage (sum = model.num_layers), checked but not balanced.
     allow_split_blocks: let a stage start inside an AttnRes block.
     """
     L, bs = cfg.num_layers, cfg.attn_res_block_size
     if pp < 1:
-        raise ValueError(f"parallel.pp={pp} must be >= 1")
+        raise ValueError(f"{name}={pp} must be >= 1")
     if pp > L:
-        raise ValueError(f"parallel.pp={pp} exceeds model.num_layers={L}: every stage needs a layer; "
+        raise ValueError(f"{name}={pp} exceeds model.num_layers={L}: every stage needs a layer; "
                          "lower parallel.pp")
     cuts_ok = set(range(1, L)) if allow_split_blocks else {i for i in range(1, L) if i % bs == 0}
     if layout is not None:
@@ -55,7 +56,7 @@ def partition_layers(cfg, pp: int, layout: Optional[Sequence[int]] = None,
         bounds = [0] + starts + [L]
         return [range(bounds[i], bounds[i + 1]) for i in range(pp)]
     if len(cuts_ok) < pp - 1:
-        raise ValueError(f"parallel.pp={pp} needs {pp - 1} stage boundaries but model.num_layers={L} with "
+        raise ValueError(f"{name}={pp} needs {pp - 1} stage boundaries but model.num_layers={L} with "
                          f"attn_res_block_size={bs} has only {len(cuts_ok)} block starts; lower parallel.pp or "
                          "set parallel.pp_split_blocks=true")
     cost = layer_costs(cfg)
@@ -83,7 +84,16 @@ def partition_layers(cfg, pp: int, layout: Optional[Sequence[int]] = None,
 
     _, bnds = best(0, pp)
     if len(bnds) != pp - 1:
-        raise ValueError(f"parallel.pp={pp}: no partition of {L} layers at AttnRes block starts; lower "
+        raise ValueError(f"{name}={pp}: no partition of {L} layers at AttnRes block starts; lower "
                          "parallel.pp or set parallel.pp_split_blocks=true")
     bounds = [0, *bnds, L]
     return [range(bounds[i], bounds[i + 1]) for i in range(pp)]
+
+
+def rank_chunks(cfg, pp: int, rank: int, vp: int = 1, layout: Optional[Sequence[int]] = None,
+                allow_split_blocks: bool = False) -> List[range]:
+    """The ``vp`` model chunks of pipeline rank ``rank``: virtual stages rank, pp + rank, ...
+    of ``partition_layers(cfg, pp * vp, layout, allow_split_blocks)``."""
+    name = "parallel.pp" if vp == 1 else f"parallel.pp * parallel.vp = {pp} * {vp}, chunks"
+    chunks = partition_layers(cfg, pp * vp, layout, allow_split_blocks, name)
+    return [chunks[c * pp + rank] for c in range(vp)]

@@ -163,3 +163,18 @@ def test_balanced_synthetic_bubble_matches_theory(tmp_path):
         res = run_distributed(traced_step, 2, 4, schedule, 2, 8, 2, None, 1, (0.03, 0.03, 0.03), timeout_s=120)
         mean, _, _ = bubble([r["trace"] for r in res])
         assert abs(mean - want) < 0.05, (schedule, mean, want)
+
+
+def test_1f1b_holds_at_most_p_micro_batches():
+    """Measured by the engine's activation meter (saved tensors): AFAB's peak is m micro-batches
+    of activations on every rank, 1F1B's is p - r on rank r (first stage: p)."""
+    from parallel.pipeline.trace import traced_step
+
+    p, m = 2, 4
+    peak = {s: [r["peak_bytes"] for r in run_distributed(traced_step, p, m, s, 4, 32, 1, None, 1, None, True,
+                                                         timeout_s=120)]
+            for s in ("afab", "1f1b")}
+    for r in range(p):
+        per_mb = peak["afab"][r] / m
+        assert peak["1f1b"][r] <= (p - r) * per_mb * 1.02 + 1024, (r, peak)
+        assert peak["1f1b"][r] >= (p - r) * per_mb * 0.9, (r, peak)

@@ -1,6 +1,6 @@
 """The training program under pipeline parallelism (torchrun, gloo, fp32): pp2 under every schedule
-(1F1B, AFAB, interleaved 1F1B with vp=2, ZB-H1), pp2 x dp2, pp2 x tp2 (+SP) and pp2 x ep2 (MoonEP
-inside each stage) reproduce the single-process losses (rel 1e-4; interleaved over a 5-step
+(1F1B, AFAB, interleaved 1F1B with vp=2, ZB-H1), pp2 x dp2, pp2 x tp2 (+SP), pp2 x ep2 (MoonEP
+inside each stage) under ZB-H1 and pp2 x tp2 (+SP) x dp2 interleaved on 8 ranks reproduce the single-process losses (rel 1e-4; interleaved over a 5-step
 trajectory); a pp2 checkpoint resumes on one process, at pp2 x dp2 and at pp4 with the same losses."""
 import shutil
 
@@ -30,7 +30,9 @@ def test_pipeline_layouts_and_resume(corpus_dataset, tmp_path):
                "pp2dp2_zb": (4, 2, ["parallel.pp=2", "parallel.pp_schedule=zb_h1"]),
                "pp2tp2sp_zb": (4, 2, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                                       "parallel.pp_schedule=zb_h1"]),
-               "pp2ep2_zb": (4, 2, ["parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=zb_h1"])}
+               "pp2ep2_zb": (4, 2, ["parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=zb_h1"]),
+               "pp2tp2spdp2_vp2": (8, 2, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                                          "parallel.vp=2", "parallel.pp_schedule=interleaved_1f1b", SPLIT])}
     for name, (nproc, steps, extra) in layouts.items():
         d = tmp_path / name
         _run(d, nproc, f"train.max_steps={steps}", *extra)

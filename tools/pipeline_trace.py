@@ -8,8 +8,8 @@ fraction next to the schedule's theory.
 Measured bubble per rank = 1 - (time in F, B and W) / (step span from the first op of any rank to
 the last op of any rank); the printed figure is the mean over ranks. Two theories are printed: the
 closed form ((p-1)/(m+p-1) for 1F1B, (p-1)/(vp*m+p-1) interleaved, (p-1)/(3m+p-1) for ZB-H1 with
-equal F/B/W) and the event simulation of the same action lists with the measured mean op times and
-free communication (schedules.simulate), which also covers unequal op times. ``--synthetic`` runs
+equal F/B/W) and the event simulation of the same action lists with each rank's measured mean op
+times and free communication (schedules.simulate), which also covers unequal op times and stages. ``--synthetic`` runs
 balanced sleeping layers (parallel/pipeline/trace.py) instead of k3_tiny, whose stages are not
 exactly balanced (the last one also runs lm_head + loss) and whose ranks share this machine's cores.
 """
@@ -75,7 +75,7 @@ def main(argv=None):
     p, m, vp = a.pp, a.micro_batches, a.vp
     closed = closed_form_bubble(a.schedule, p, m, vp)
     ops = mean_op_times(traces)
-    sim = theoretical_bubble(a.schedule, p, m, vp, ops)
+    sim = theoretical_bubble(a.schedule, p, m, vp, mean_op_times(traces, per_rank=True))
     closed_s = "n/a" if closed is None else f"{closed:.3f}"
     title = (f"{a.schedule} pp={p} vp={vp} m={m}: bubble measured {mean:.3f}, closed form {closed_s}, "
              f"simulated {sim:.3f}")
@@ -84,7 +84,7 @@ def main(argv=None):
         print(f"rank {r}: layers {', '.join(f'{s}..{e - 1}' for s, e in x['layers'])}  bubble {f:.3f}")
     print("mean op ms: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in ops.items()))
     print(f"{a.schedule} pp={p} vp={vp} m={m}: measured bubble {mean:.3f} (mean over ranks), closed form "
-          f"{closed_s}, simulated with the measured op times {sim:.3f}; chart: {a.out}")
+          f"{closed_s}, simulated with each rank's measured op times {sim:.3f}; chart: {a.out}")
     return mean, closed, sim
 
 

@@ -131,8 +131,9 @@ def simulate(schedule: Sequence[Sequence[Action]], pp: int, vp: int, cost: Dict[
              split_w: bool = False, comm: float = 0.0):
     """Run the per-rank lists on an ideal machine; returns (timeline, makespan).
 
-    cost: seconds of "F", "B" and "W" (one chunk of one micro-batch); when the schedule does not
-        split W, a B costs cost["B"] + cost["W"]. comm: latency of one stage-to-stage transfer.
+    cost: seconds of "F", "B" and "W" (one chunk of one micro-batch), or a list of such dicts, one
+        per rank (unbalanced stages); when the schedule does not split W, a B costs cost["B"] +
+        cost["W"]. comm: latency of one stage-to-stage transfer.
     timeline: per rank, [(action, start, end)] in execution order.
     Raises RuntimeError if the lists deadlock or miss a dependency (the schedules' unit test).
     """
@@ -170,7 +171,8 @@ def simulate(schedule: Sequence[Sequence[Action]], pp: int, vp: int, cost: Dict[
         if best is None:
             raise RuntimeError(f"schedule deadlocks: next actions {[s[p] if p < len(s) else None for s, p in zip(schedule, pos)]}")
         start, r, a, v = best
-        dur = cost[a.kind] + (cost.get("W", 0.0) if a.kind == "B" and not split_w else 0.0)
+        c = cost[r] if isinstance(cost, (list, tuple)) else cost
+        dur = c[a.kind] + (c.get("W", 0.0) if a.kind == "B" and not split_w else 0.0)
         end = start + dur
         key = (a.kind, v, a.mb)
         if key in done:
@@ -186,7 +188,7 @@ def simulate(schedule: Sequence[Sequence[Action]], pp: int, vp: int, cost: Dict[
 
 def theoretical_bubble(name: str, pp: int, m: int, vp: int = 1, cost=None) -> float:
     """Idle fraction of the simulated schedule (mean over ranks) for op times ``cost`` (default
-    t_F = t_B = t_W = 1; for non-split schedules B then costs t_B + t_W)."""
+    t_F = t_B = t_W = 1; for non-split schedules B then costs t_B + t_W; a list = one dict per rank)."""
     cost = cost or {"F": 1.0, "B": 1.0, "W": 1.0}
     sched = build_schedule(name, pp, m, vp)
     timeline, span = simulate(sched, pp, vp, cost, splits_weight_grad(name))

@@ -129,10 +129,13 @@ def bubble(traces):
     return sum(fr) / len(fr), fr, t0
 
 
-def mean_op_times(traces):
-    """Mean duration of F, B and W over all ranks' traces (W = 0 where none ran)."""
-    out = {}
-    for op in BUSY:
-        d = [t[-1] - t[-2] for tr in traces for t in tr if t[0] == op]
-        out[op] = sum(d) / len(d) if d else 0.0
-    return out
+def mean_op_times(traces, per_rank: bool = False):
+    """Mean duration of F, B and W over all ranks' traces (W = 0 where none ran); with per_rank,
+    one such dict per rank (what an unbalanced pipeline's theory needs)."""
+    def means(trs):
+        out = {}
+        for op in BUSY:
+            d = [t[-1] - t[-2] for tr in trs for t in tr if t[0] == op]
+            out[op] = sum(d) / len(d) if d else 0.0
+        return out
+    return [means([tr]) for tr in traces] if per_rank else means(traces)

@@ -17,6 +17,7 @@ from parallel.pipeline import PipelineEngine, keep_stage, partition_layers, rank
 from parallel.testing import run_distributed
 
 RTOL = 1e-5
+ATOL = 1e-9  # absolute floor (norm) for near-cancelling gradients, e.g. a KDA A_log grad of norm 9e-6
 
 
 def _cfg():
@@ -34,6 +35,7 @@ def _micro_batches(m, seqlen=32):
 
 
 def _reference(m):
+    torch.set_num_threads(1)  # the ranks' thread count: same fp32 reduction order in every kernel
     model = build_model(_cfg(), seed=4)
     mbs, n = _micro_batches(m)
     loss = 0.0
@@ -70,9 +72,9 @@ def _check(res_by_rank, world, cases):
         for rank, res in enumerate(res_by_rank):
             r = res[(schedule, m)]
             assert abs(r["loss"] - ref_loss) <= RTOL * abs(ref_loss), (schedule, m, rank, r["loss"], ref_loss)
-            for k, g in r["grads"].items():
-                err = float((g - ref_grads[k]).norm() / ref_grads[k].norm().clamp(min=1e-30))
-                assert err <= RTOL, (schedule, m, rank, k, err)
+            for k, g in r["grads"].items():  # ||g - ref|| <= RTOL ||ref|| + ATOL
+                diff, scale = float((g - ref_grads[k]).norm()), float(ref_grads[k].norm())
+                assert diff <= RTOL * scale + ATOL, (schedule, m, rank, k, diff, scale)
                 seen.add(k)
             assert r["stats"] == r["moe_layers"] and r["pending_w"] == 0
             if schedule in ("1f1b", "zb_h1"):  # rank r holds at most p - r micro-batches of activations

@@ -157,6 +157,24 @@ def test_k3_full_on_2048_h200_and_search(capsys):
     assert tps == sorted(tps, reverse=True)
 
 
+def test_pipeline_schedule_changes_bubble_and_memory():
+    """The bubble factor follows the schedule's closed form and the first stage's activations the
+    schedule's in-flight count (AFAB all m, interleaved more than 1F1B, ZB-H1 no less than 1F1B)."""
+    cfg, hw = load_model_config("k3_full"), load_hardware("h200")
+    kw = dict(tp=8, pp=16, ep=64, world_size=2048, global_batch_size=512)
+    plans = {s: P.make_plan(cfg, P.PlanConfig(pp_schedule=s, vp=2 if s == "interleaved_1f1b" else 1, **kw), hw)
+             for s in ("afab", "1f1b", "interleaved_1f1b", "zb_h1")}
+    m = plans["1f1b"]["layout"]["micro_batches"]
+    assert plans["1f1b"]["time"]["bubble"] == pytest.approx(1 + 15 / m)
+    assert plans["interleaved_1f1b"]["time"]["bubble"] == pytest.approx(1 + 15 / (2 * m))
+    assert plans["zb_h1"]["time"]["bubble"] == pytest.approx(1 + 15 / (3 * m))
+    acts = {s: p["stages"][0]["activations"] for s, p in plans.items()}
+    assert acts["afab"] > acts["interleaved_1f1b"] > acts["1f1b"] and acts["zb_h1"] >= acts["1f1b"]
+    assert plans["zb_h1"]["time"]["tokens_per_s"] > plans["1f1b"]["time"]["tokens_per_s"]
+    with pytest.raises(ValueError, match="parallel.vp >= 2"):
+        P.make_plan(cfg, P.PlanConfig(pp_schedule="interleaved_1f1b", **kw), hw)
+
+
 def test_bad_input():
     tool = _tool()
     assert tool.main(["parallel.tp=3", "world_size=8", "model=k3_tiny", "gpu=h200"]) == 2

@@ -7,7 +7,7 @@
     python tools/plan.py --calibrate        # re-derive the activation coefficients on this machine
 
 Arguments (key=value): model=NAME and model.FIELD=VALUE (conf/model/), parallel.{tp,pp,ep,dp,
-sequence_parallel}, world_size, gpu (conf/hardware/: h100, h200, b200, cpu), data.seq_len,
+sequence_parallel,pp_schedule,vp}, world_size, gpu (conf/hardware/: h100, h200, b200, cpu), data.seq_len,
 train.{micro_batch_size,global_batch_size,precision,activation_checkpointing}, param_dtype
 (fp32 as the trainer runs, or bf16). Exit status 0; 1 when the layout does not fit; 2 on bad input.
 """
@@ -26,7 +26,8 @@ KEYS = {"parallel.tp": ("tp", int), "parallel.pp": ("pp", int), "parallel.ep": (
         "world_size": ("world_size", int), "data.seq_len": ("seq_len", int),
         "train.micro_batch_size": ("micro_batch_size", int), "train.global_batch_size": ("global_batch_size", int),
         "train.precision": ("precision", str), "train.activation_checkpointing": ("activation_checkpointing", "bool"),
-        "param_dtype": ("param_dtype", str)}
+        "param_dtype": ("param_dtype", str), "parallel.pp_schedule": ("pp_schedule", str),
+        "parallel.vp": ("vp", int)}
 
 
 def _bool(key, v):
@@ -71,7 +72,8 @@ def format_plan(p) -> str:
     L, m, t, f, c = p["layout"], p["memory"], p["time"], p["flops_per_token"], p["comm_bytes_per_step"]
     lines = [f"layout tp={L['tp']} pp={L['pp']} ep={L['ep']} dp={L['dp']} (edp={L['edp']}) on {L['world_size']} x "
              f"{p['hardware']}; sp={L['sequence_parallel']} micro_batch={L['micro_batch_size']} x seq {L['seq_len']}, "
-             f"global batch {L['global_batch_size']} ({L['micro_batches']} micro-batches), "
+             f"global batch {L['global_batch_size']} ({L['micro_batches']} micro-batches, {L['pp_schedule']}"
+             f"{' vp=' + str(L['vp']) if L['vp'] > 1 else ''}), "
              f"act ckpt={L['activation_checkpointing']}, {L['precision']} activations, {L['param_dtype']} params",
              f"memory per rank (stage {m['stage']}, layers {m['layers'][0]}-{m['layers'][1] - 1}, "
              f"{m['in_flight_micro_batches']} micro-batches in flight):",

@@ -45,7 +45,11 @@ Communication per rank per optimizer step (bytes; ring algorithms, (n-1)/n of th
   pp   the AttnRes depth state (partial + committed blocks) per micro-batch, to the next stage and
        its gradient back
 Step time: compute / (peak * mfu) + exposed tp and ep comm + (1 - dp_overlap) of dp comm + pp
-transfers, times the 1F1B bubble (1 + (pp - 1) / micro-batches). A group inside one node uses the
+transfers, times the schedule's bubble factor 1 / (1 - closed-form bubble): 1 + (pp - 1) / m for
+1F1B and AFAB, 1 + (pp - 1) / (vp m) interleaved, 1 + (pp - 1) / (3 m) for ZB-H1 (t_F = t_B = t_W);
+interleaving sends vp times as many stage transfers. Activations in flight on stage s: 1F1B p - s
+micro-batches, AFAB all m, interleaved (2 (p - 1 - s) + (vp - 1) p + 1) / vp (its warm-up, in
+whole-stage units), ZB-H1 p - s plus ~0.5 per postponed W (s of them; tools/bench_pipeline.py). A group inside one node uses the
 NVLink bandwidth, one spanning nodes the per-GPU network bandwidth (hardware table).
 """
 from __future__ import annotations
@@ -135,6 +139,10 @@ class PlanConfig:
     param_dtype: str = "fp32"
     """'fp32' (the trainer: fp32 params = main copies) or 'bf16' (bf16 params + fp32 owned main copies)"""
     activation_checkpointing: bool = True
+    pp_schedule: str = "1f1b"
+    """parallel.pp_schedule: afab, 1f1b, interleaved_1f1b or zb_h1 (parallel/pipeline/schedules.py)"""
+    vp: int = 1
+    """parallel.vp: model chunks per pipeline rank (interleaved_1f1b)"""
     bucket_bytes: int = 40 * 2 ** 20
     dp_overlap: float = 0.8
     """fraction of the ZeRO-1 reduce-scatter / all-gather hidden behind compute"""
@@ -161,6 +169,10 @@ class PlanConfig:
         if gbs % (self.micro_batch_size * dp):
             raise ValueError(f"global_batch_size={gbs} must be a multiple of micro_batch_size x dp = "
                              f"{self.micro_batch_size} x {dp}")
+        if self.pp > 1:
+            from parallel.pipeline.schedules import check_schedule
+
+            check_schedule(self.pp_schedule, self.pp, self.vp, gbs // (self.micro_batch_size * dp))
         return replace(self, dp=dp, global_batch_size=gbs, sequence_parallel=self.sequence_parallel and self.tp > 1)
 
     @property
@@ -334,7 +346,7 @@ def stage_memory(cfg: ModelConfig, pc: PlanConfig, stage: int) -> dict:
     first, last = stage == 0, stage == pc.pp - 1
     mem = _param_memory(cfg, pc, layers, first, last)
     m_count = pc.global_batch_size // (pc.micro_batch_size * pc.dp)
-    in_flight = min(pc.pp - stage, m_count)
+    in_flight = _in_flight(pc, stage, m_count)
     t = pc.micro_batch_size * pc.seq_len
     t_sp = t / pc.tp if pc.sequence_parallel else t
     a = 2 if pc.precision == "bf16" else 4
@@ -438,8 +450,31 @@ def comm_per_step(cfg: ModelConfig, pc: PlanConfig, stage_mem: dict) -> dict:
     dense, expert = stage_mem["local_dense"], stage_mem["local_expert"]
     dp = dense * (4 + pbytes) * _ring(pc.dp) + expert * (4 + pbytes) * _ring(pc.edp)
     n_blocks = math.ceil(cfg.num_layers / cfg.attn_res_block_size)
-    pp = (2 * m_count * (n_blocks + 1) * t_sp * cfg.hidden_size * a) if pc.pp > 1 else 0.0
+    pp = (2 * m_count * pc.vp * (n_blocks + 1) * t_sp * cfg.hidden_size * a) if pc.pp > 1 else 0.0
     return {"tp": tp, "ep": ep, "dp": dp, "pp": pp, "micro_batches": m_count}
+
+
+def _in_flight(pc: PlanConfig, stage: int, m: int) -> float:
+    """Micro-batches of one whole stage's activations that stage ``stage`` holds at its peak."""
+    p = pc.pp
+    if p == 1:
+        return 1.0
+    if pc.pp_schedule == "afab":
+        return float(m)
+    if pc.pp_schedule == "interleaved_1f1b":
+        return min((2 * (p - 1 - stage) + (pc.vp - 1) * p + 1) / pc.vp, float(m))
+    held = float(min(p - stage, m))
+    return held + 0.5 * min(stage, m) if pc.pp_schedule == "zb_h1" else held
+
+
+def bubble_factor(pc: PlanConfig, m: int) -> float:
+    """Step time over bubble-free time for the schedule: 1 / (1 - closed-form bubble fraction)."""
+    from parallel.pipeline.schedules import closed_form_bubble
+
+    if pc.pp == 1:
+        return 1.0
+    b = closed_form_bubble("1f1b" if pc.pp_schedule == "afab" else pc.pp_schedule, pc.pp, m, pc.vp)
+    return 1.0 / (1.0 - b)
 
 
 def _link(group_span: int, hw) -> float:
@@ -465,7 +500,7 @@ def make_plan(cfg: ModelConfig, pc: PlanConfig, hw) -> dict:
     t_ep = comm["ep"] / _link(pc.tp * pc.ep, hw)
     t_dp = comm["dp"] / _link(pc.tp * pc.dp, hw) * (1 - pc.dp_overlap)
     t_pp = comm["pp"] / _link(pc.world_size, hw) if pc.pp > 1 else 0.0
-    bubble = 1 + (pc.pp - 1) / comm["micro_batches"]
+    bubble = bubble_factor(pc, comm["micro_batches"])
     step = (compute_s + t_tp + t_ep + t_pp) * bubble + t_dp
     usable = hw.memory_bytes * hw.usable_memory_fraction
     return {
@@ -473,6 +508,7 @@ def make_plan(cfg: ModelConfig, pc: PlanConfig, hw) -> dict:
                    "sequence_parallel": pc.sequence_parallel, "micro_batch_size": pc.micro_batch_size,
                    "seq_len": pc.seq_len, "global_batch_size": pc.global_batch_size,
                    "micro_batches": comm["micro_batches"], "activation_checkpointing": pc.activation_checkpointing,
+                   "pp_schedule": pc.pp_schedule, "vp": pc.vp,
                    "precision": pc.precision, "param_dtype": pc.param_dtype},
         "hardware": hw.name,
         "memory": worst, "stages": stages,

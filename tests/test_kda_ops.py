@@ -110,8 +110,8 @@ def test_packed_documents_equal_separate_runs():
     assert max_err(o_c0, recurrent_kda(q, k, v, g, beta, cu_seqlens=cu)[0]) < TOL
 
 
-@pytest.mark.parametrize("gate", ["min", "mix", "beyond"])
-def test_extreme_gates(gate, monkeypatch):
+def _count_explicit_path(monkeypatch) -> dict:
+    """Counts calls of chunk_kda's explicit-decay path in calls["explicit"]."""
     calls = {"explicit": 0}
     explicit = kda_mod._decays_explicit
 
@@ -120,6 +120,12 @@ def test_extreme_gates(gate, monkeypatch):
         return explicit(*args)
 
     monkeypatch.setattr(kda_mod, "_decays_explicit", spy)
+    return calls
+
+
+@pytest.mark.parametrize("gate", ["min", "mix", "beyond"])
+def test_extreme_gates(gate, monkeypatch):
+    calls = _count_explicit_path(monkeypatch)
     q, k, v, g, beta = make_inputs(1, 256, 2, 32, 32, seed=5, gate=gate)
     o_c, S_c = chunk_kda(q, k, v, g, beta, output_final_state=True, chunk_size=64)
     o_r, S_r = recurrent_kda(q, k, v, g, beta, output_final_state=True)
@@ -241,14 +247,7 @@ def test_slabs_carry_state_and_documents(grad, monkeypatch):
     """Slabs forced down to 2 chunks: the state crosses slab boundaries, documents straddle them, and
     only the slab holding out-of-range gates takes the explicit path; all equal the recurrence."""
     monkeypatch.setattr(kda_mod, "_SLAB_ELEMENTS", 2 * (2 * 16 * 16))  # Z * C * max(K, V) = 2 * 16 * 16
-    calls = {"explicit": 0}
-    explicit = kda_mod._decays_explicit
-
-    def spy(*args):
-        calls["explicit"] += 1
-        return explicit(*args)
-
-    monkeypatch.setattr(kda_mod, "_decays_explicit", spy)
+    calls = _count_explicit_path(monkeypatch)
     q, k, v, g, beta = make_inputs(1, 200, 2, 16, 8, seed=14)
     g = g.clone()
     g[:, 100:110] = -12.0 * torch.rand(g[:, 100:110].shape, generator=torch.Generator().manual_seed(15))

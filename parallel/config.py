@@ -89,7 +89,7 @@ class ParallelConfig:
             raise ValueError(f"parallel.timeout_s={self.timeout_s!r} must be a positive number of seconds")
         from parallel.pipeline.schedules import check_schedule
 
-        check_schedule(self.pp_schedule, max(self.pp, 2), self.vp, 2 * max(self.pp, 2))
+        check_schedule(self.pp_schedule, self.pp, self.vp)  # the micro-batch count: JobConfig.validate
         validate_layout(self.to_layout(world_size), model_cfg)
         if model_cfg is not None and self.pp > 1:
             from parallel.pipeline.partition import rank_chunks

@@ -62,8 +62,8 @@ def main(argv=None):
             sent = x["p2p_bytes"]["F"]
             nxt = ranks[r + 1]["blocks_in"][0]
             plain = sent / (1 + nxt)
-            print(f"  rank {r} -> {r + 1}: {sent / 1024:8.1f} KiB = (1 partial + {nxt} blocks) x {plain / 1024:.1f} KiB;"
-                  f" plain residual {plain / 1024:.1f} KiB; ratio {sent / plain:.1f}x")
+            print(f"  rank {r} -> {r + 1}: {sent / 1024:8.1f} KiB = (1 partial + {nxt} blocks) x "
+                  f"{plain / 1024:.1f} KiB; plain residual {plain / 1024:.1f} KiB; ratio {sent / plain:.1f}x")
     return out
 
 

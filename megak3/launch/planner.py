@@ -49,8 +49,9 @@ transfers, times the schedule's bubble factor 1 / (1 - closed-form bubble): 1 + 
 1F1B and AFAB, 1 + (pp - 1) / (vp m) interleaved, 1 + (pp - 1) / (3 m) for ZB-H1 (t_F = t_B = t_W);
 interleaving sends vp times as many stage transfers. Activations in flight on stage s: 1F1B p - s
 micro-batches, AFAB all m, interleaved (2 (p - 1 - s) + (vp - 1) p + 1) / vp (its warm-up, in
-whole-stage units), ZB-H1 p - s plus ~0.5 per postponed W (s of them; tools/bench_pipeline.py). A group inside one node uses the
-NVLink bandwidth, one spanning nodes the per-GPU network bandwidth (hardware table).
+whole-stage units), ZB-H1 p - s plus ~0.5 per postponed W (s of them; tools/bench_pipeline.py).
+A group inside one node uses the NVLink bandwidth, one spanning nodes the per-GPU network bandwidth
+(hardware table).
 """
 from __future__ import annotations
 

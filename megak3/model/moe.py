@@ -108,8 +108,8 @@ def grouped_linear(x_XI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E:
     ``use_grouped_mm`` None picks torch's grouped GEMM when it pays off (see ``_grouped_mm_ok``);
     the loop over non-empty experts is its reference twin (one host sync for the counts).
     """
-    store = active_store()
-    if store is not None and w_EOI.requires_grad and x_XI.requires_grad and torch.is_grad_enabled():  # zero-bubble pipelines
+    store = active_store()  # zero-bubble pipelines defer the weight gradient (megak3/ops/weight_grad.py)
+    if store is not None and w_EOI.requires_grad and x_XI.requires_grad and torch.is_grad_enabled():
         return deferred_grouped_linear(store, x_XI, w_EOI, tokens_per_expert_E, use_grouped_mm)
     if use_grouped_mm is None:
         use_grouped_mm = _grouped_mm_ok(x_XI, w_EOI)

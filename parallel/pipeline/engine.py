@@ -76,11 +76,12 @@ class _ActivationMeter:
     """Bytes of tensors autograd saved for backward and still holds (parameters excluded), counted
     once per storage, via saved-tensor hooks: a tensor is released when its graph node frees it."""
 
-    def __init__(self, params):
+    def __init__(self, params, extra=lambda: 0):
         self.params = {p.untyped_storage().data_ptr() for p in params}
         self.refs: Dict[int, int] = {}
         self.live = self.peak = 0
-        self.extra = lambda: 0
+        self.extra = extra
+        """bytes held outside autograd's saved tensors (deferred W inputs), sampled with them"""
 
     def pack(self, t):
         if not isinstance(t, torch.Tensor) or t.numel() == 0:
@@ -140,7 +141,7 @@ class PipelineEngine:
         self.p = 1 if group is None else dist.get_world_size(group)
         self.r = 0 if group is None else dist.get_rank(group)
         self.vp = len(chunks)
-        check_schedule(schedule, self.p, self.vp, self.p if schedule == "interleaved_1f1b" else 1)
+        check_schedule(schedule, self.p, self.vp)
         self.model, self.group, self.schedule = model, group, schedule
         self.chunks = chunks
         self.V = self.p * self.vp
@@ -155,8 +156,9 @@ class PipelineEngine:
         if any(a.stop > b.start for a, b in zip(chunks, chunks[1:])):
             raise ValueError(f"model chunks {chunks} must be in increasing layer order")
         if self.r == 0 and chunks[0].start != 0 or self.r == self.p - 1 and chunks[-1].stop != L:
-            raise ValueError(f"pipeline rank {self.r} of {self.p} got layers {[(c.start, c.stop - 1) for c in chunks]}; "
-                             f"virtual stage 0 must start at layer 0 and the last end at layer {L - 1}")
+            got = [(c.start, c.stop - 1) for c in chunks]
+            raise ValueError(f"pipeline rank {self.r} of {self.p} got layers {got}; virtual stage 0 must start at "
+                             f"layer 0 and the last end at layer {L - 1}")
         self.blocks_in = [(c.start + bs - 1) // bs for c in chunks]
         """committed AttnRes blocks entering each of this rank's chunks"""
         self.blocks_out = [(c.stop + bs - 1) // bs for c in chunks]
@@ -272,9 +274,10 @@ class PipelineEngine:
         model, mb, v = self.model, self._mbs[i], self._v(c)
         t0 = time.perf_counter()
         ids = mb["input_ids"]
-        B, T = ids.shape
-        seq = make_seq_info(B, T, mb.get("cu_seqlens"), ids.device)
-        mask = attention_mask(seq, ids.device) if model.has_mla else None
+        if i not in self._seq:  # per-document structure and mask, shared by this rank's chunks
+            seq = make_seq_info(*ids.shape, mb.get("cu_seqlens"), ids.device)
+            self._seq[i] = (seq, attention_mask(seq, ids.device) if model.has_mla else None)
+        seq, mask = self._seq[i]
         if v == 0:
             x = model.embed(ids, mb.get("images"))
             if model.sequence_shard is not None:
@@ -308,6 +311,7 @@ class PipelineEngine:
         param = next(self.model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self._mbs = micro_batches
+        self._seq: Dict[int, tuple] = {}
         self.trace = []
         self.p2p_bytes_per_mb = {"F": 0, "B": 0}
         self._plan_messages(schedule)
@@ -315,9 +319,8 @@ class PipelineEngine:
         stats_all: List[list] = [[] for _ in micro_batches]
         loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)
         inflight = 0
-        meter = _ActivationMeter(self.model.parameters()) if self.measure_memory else None
-        if meter is not None:
-            meter.extra = lambda: self.store.bytes_held
+        meter = (_ActivationMeter(self.model.parameters(), lambda: self.store.bytes_held)
+                 if self.measure_memory else None)
         for a in schedule[self.r]:
             c, i, v = a.chunk, a.mb, self._v(a.chunk)
             if a.kind == "F":
@@ -355,6 +358,7 @@ class PipelineEngine:
         m = max(len(micro_batches), 1)
         self.p2p_bytes_per_mb = {k: n // m for k, n in self.p2p_bytes_per_mb.items()}
         self.max_inflight = inflight
+        self._seq = {}
         if meter is not None:
             self.peak_activation_bytes = meter.peak
         if self.group is not None and self.p > 1:  # every stage reports the step's loss

@@ -25,7 +25,7 @@ action with the earliest simulated start among all ranks' next actions always ha
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 SCHEDULES = ("afab", "1f1b", "interleaved_1f1b", "zb_h1")
 
@@ -45,8 +45,9 @@ def splits_weight_grad(name: str) -> bool:
     return name == "zb_h1"
 
 
-def check_schedule(name: str, pp: int, vp: int, m: int) -> None:
-    """Raise ValueError naming the config field and the fix for an impossible combination."""
+def check_schedule(name: str, pp: int, vp: int, m: Optional[int] = None) -> None:
+    """Raise ValueError naming the config field and the fix for an impossible combination;
+    m (micro-batches per step) is checked only when given."""
     if name not in SCHEDULES:
         raise ValueError(f"parallel.pp_schedule={name!r}: choose one of {', '.join(SCHEDULES)}")
     if isinstance(vp, bool) or not isinstance(vp, int) or vp < 1:
@@ -55,14 +56,14 @@ def check_schedule(name: str, pp: int, vp: int, m: int) -> None:
         if vp < 2:
             raise ValueError("parallel.pp_schedule=interleaved_1f1b needs parallel.vp >= 2 model chunks per "
                              "rank; set parallel.vp=2 or use pp_schedule=1f1b")
-        if m % pp:
+        if m is not None and m % pp:
             raise ValueError(f"parallel.pp_schedule=interleaved_1f1b needs the micro-batches per step ({m}) to be "
                              f"a multiple of parallel.pp={pp}; change train.global_batch_size or "
                              "train.micro_batch_size")
     elif vp > 1 and name != "afab":
         raise ValueError(f"parallel.vp={vp} needs parallel.pp_schedule=interleaved_1f1b (or afab); "
                          f"{name} runs one model chunk per rank")
-    if m < 1:
+    if m is not None and m < 1:
         raise ValueError("a pipeline step needs at least one micro-batch")
 
 
@@ -169,7 +170,8 @@ def simulate(schedule: Sequence[Sequence[Action]], pp: int, vp: int, cost: Dict[
             if ready is not None and (best is None or ready < best[0]):
                 best = (ready, r, a, v)
         if best is None:
-            raise RuntimeError(f"schedule deadlocks: next actions {[s[p] if p < len(s) else None for s, p in zip(schedule, pos)]}")
+            nxt = [s[k] if k < len(s) else None for s, k in zip(schedule, pos)]
+            raise RuntimeError(f"schedule deadlocks: next actions {nxt}")
         start, r, a, v = best
         c = cost[r] if isinstance(cost, (list, tuple)) else cost
         dur = c[a.kind] + (c.get("W", 0.0) if a.kind == "B" and not split_w else 0.0)

@@ -102,7 +102,8 @@ def traced_step(rank, world, m, schedule, layers, seqlen, steps, layout, vp=1, s
         n = world * vp
         if layout is None:  # balanced: the same number of layers in every model chunk
             if layers % n:
-                raise ValueError(f"--layers {layers} must be a multiple of pp * vp = {n} for a balanced synthetic stack")
+                raise ValueError(f"--layers {layers} must be a multiple of pp * vp = {n} for a balanced "
+                                 "synthetic stack")
             layout = [layers // n] * n
     vocab = getattr(cfg, "vocab_size", 64)
     mine = rank_chunks(cfg, world, rank, vp, layout=layout, allow_split_blocks=True)

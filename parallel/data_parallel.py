@@ -738,3 +738,16 @@ def load_consolidated_state(sharded_opt: ShardedOptimizer, full_state: dict, pla
         for g in o.param_groups:
             if id(g) in new_hyper:
                 g.update(new_hyper[id(g)][1])
+
+
+def build_sharded_optimizer(model: nn.Module, optim_cfg: OptimConfig, plan) -> ShardedOptimizer:
+    """The ZeRO-1 optimizer of a parallelized model, wired from its :class:`parallel.plan.ParallelPlan`:
+    each gradient reduces over ``plan.grad_group`` (dp, or expert-dp for expert shards; None when
+    that group has one rank), TP shards are declared, and the norm partitions are added."""
+    ps = plan.ps
+    opt = ShardedOptimizer(model, optim_cfg, ps.dp_group, group_for=plan.make_grad_group_fn())
+    if ps.tp_size > 1:
+        opt.set_tensor_parallel(ps.tp_group, plan.tp_shard_dim)
+    for group, experts_only in plan.norm_partitions:
+        opt.add_norm_partition(group, experts_only=experts_only)
+    return opt

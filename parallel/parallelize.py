@@ -38,6 +38,7 @@ from megak3.model.ffn import SiTUGLUMLP
 from megak3.model.kda import KimiDeltaAttention
 from megak3.model.mla import GatedMLA
 
+from .plan import ParallelPlan, Shard, canonical_name
 from .tensor_parallel import collectives as C
 from .tensor_parallel.layers import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
@@ -211,10 +212,6 @@ def _vocab_parallel_loss(logits_local, labels, group):
     return loss, n
 
 
-def canonical_name(name: str) -> str:
-    return name.replace(".inner.", ".")
-
-
 def sync_partial_grads(model: nn.Module, plan: TPPlan, group) -> None:
     """Sum the partial gradients of replicated parameters over the TP group (one flat all-reduce)."""
     if plan.tp_size == 1 or not plan.partial_grad:
@@ -242,3 +239,72 @@ def load_full_state(model: nn.Module, full: Dict[str, torch.Tensor], plan: TPPla
             raise ValueError(f"checkpoint tensor {name} has shape {tuple(src.shape)}, this layout needs "
                              f"{tuple(dst.shape)}; it was saved from a different model config")
         dst.copy_(src)
+
+
+# ------------------------------------------------------------------------------ the one entry point
+def parallelize(model: nn.Module, ps, parallel_cfg=None, moonep_cfg=None, model_cfg=None) -> ParallelPlan:
+    """Apply this rank's layout to ``model`` (a K3Model, normally built on the meta device) in place
+    and return the :class:`ParallelPlan` every consumer reads.
+
+    ps: the :class:`parallel.state.ParallelState` (``ParallelState.single()`` for one process).
+    parallel_cfg: a :class:`parallel.config.ParallelConfig` (sequence_parallel, pipeline layout,
+        vp, split blocks); None = defaults. moonep_cfg: expert dispatch (MoonEP or the baseline).
+    model_cfg: the model's :class:`megak3.config.ModelConfig` (default ``model.config``).
+
+    Transforms, in order (each records what it did in the plan): ``tp`` (heads, FFN widths and
+    vocabulary sharded, TP regions, under SP the token axis), ``ep`` (E/ep home experts per rank and
+    the dispatcher), ``pp`` (this rank's model chunks kept, other layers dropped with their names).
+    A context-parallel transform slots in beside them. Global shapes are recorded before the first
+    transform, so the plan knows every tensor's box in the single-process tensor. On the meta
+    device nothing is allocated; :func:`parallel.materialize.materialize` then creates only the
+    local shards.
+    """
+    from moonep.stats import LoadRecorder
+
+    from .config import ParallelConfig, check_expert_tp
+    from .expert_parallel import parallelize_ep
+    from .pipeline import keep_stage, rank_chunks
+
+    par = parallel_cfg or ParallelConfig()
+    cfg = model_cfg or model.config
+    check_expert_tp(ps.ep_size, ps.tp_size, par.sequence_parallel)
+    sp = bool(par.sequence_parallel and ps.tp_size > 1)
+    global_shapes = {canonical_name(n): tuple(t.shape)
+                     for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+    buffers = [canonical_name(n) for n, _ in model.named_buffers()]
+    plan = ParallelPlan(ps=ps, sequence_parallel=sp, buffers=buffers)
+
+    # tp (+ sp)
+    plan.tp = parallelize_tp(model, ps.tp_group, sp)
+    plan.transforms.append("tp")
+    # ep: expert gradients are complete within the EP group (every token of the TP/EP ranks reaches
+    # them through the dispatch), so they are reduced over expert-DP and never summed over TP
+    plan.load_recorder = LoadRecorder() if ps.ep_size > 1 else None
+    plan.ep = parallelize_ep(model, ps.ep_group if ps.ep_size > 1 else None, moonep_cfg,
+                             recorder=plan.load_recorder)
+    plan.transforms.append("ep")
+    # pp: this rank keeps its stage's chunks (names unchanged)
+    if ps.pp_size > 1:
+        plan.stage_chunks = rank_chunks(cfg, ps.pp_size, ps.pp_rank, par.vp, par.pp_layout, par.pp_split_blocks)
+        plan.first_stage, plan.last_stage = ps.pp_rank == 0, ps.pp_rank == ps.pp_size - 1
+        keep_stage(model, plan.stage_chunks, plan.first_stage, plan.last_stage)
+        plan.transforms.append("pp")
+    else:
+        plan.stage_chunks = [range(cfg.num_layers)]
+
+    ep_dims = plan.ep.shard_dim
+    for n, t in list(model.named_parameters()) + list(model.named_buffers()):
+        name = canonical_name(n)
+        local, glob = tuple(t.shape), global_shapes[name]
+        axis, dim, rank = None, None, 0
+        if name in ep_dims and ps.ep_size > 1:
+            axis, dim, rank = "ep", ep_dims[name], ps.ep_rank
+        elif plan.tp.shard_dim.get(name) is not None and ps.tp_size > 1:
+            axis, dim, rank = "tp", plan.tp.shard_dim[name], ps.tp_rank
+        offsets = [0] * len(glob)
+        if axis is not None:
+            offsets[dim] = rank * local[dim]
+        plan.tensors[name] = Shard(glob, tuple(offsets), local, axis, dim)
+    plan.partial_grad = [n for n in plan.tp.partial_grad if n in plan.tensors and n not in ep_dims]
+    plan.buffers = [n for n in buffers if n in plan.tensors]
+    return plan

@@ -18,7 +18,11 @@ checkpoint that passes (one warning per rejected one).
 
 The manifest lists its files by name so that sharded multi-rank checkpoints can add files
 (``rank_00003.pt``, ...) without changing the layout; ``format_version`` is bumped when the meaning
-of the files changes.
+of the files changes. Version 1 is this module's ``state.pt`` + per-rank ``rank_XXXXX.pt`` parts;
+version 2 is the per-shard format of :mod:`megak3.train.shard_store` (``"format": "megak3.shards.v1"``
+in the manifest). Both pass ``validate_checkpoint`` / ``find_latest``. A manifest entry without a
+``sha256`` (the per-shard ``.bin`` payload files, whose integrity is per-chunk crc32) is checked for
+its size only.
 """
 from __future__ import annotations
 
@@ -37,6 +41,10 @@ import numpy as np
 import torch
 
 FORMAT_VERSION = 1
+"""format_version written by :func:`save_checkpoint` / :func:`commit_checkpoint`"""
+SHARDS_FORMAT_VERSION = 2
+"""format_version written by :class:`megak3.train.shard_store.ShardedCheckpointer`"""
+READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, SHARDS_FORMAT_VERSION)
 MANIFEST_NAME = "manifest.json"
 STATE_FILE = "state.pt"
 LATEST_NAME = "latest"
@@ -105,14 +113,14 @@ def _write_text_durably(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _remove_stale(root: Path) -> None:
-    """Clean up after crashed saves (one writer per root is assumed).
+def _remove_stale(root: Path, keep: tuple = ()) -> None:
+    """Clean up after crashed saves (one writer per root is assumed), except the names in ``keep``.
 
     A ``.old-step_x-*`` directory whose ``step_x`` is gone is a complete checkpoint caught between
     the two renames of a same-step overwrite: it is moved back instead of deleted.
     """
     for p in root.iterdir():
-        if not p.name.startswith(_STALE_PREFIXES):
+        if not p.name.startswith(_STALE_PREFIXES) or p.name in keep:
             continue
         if p.name.startswith(".old-"):
             original = root / p.name[len(".old-"):].rsplit("-", 1)[0]
@@ -192,7 +200,6 @@ def commit_checkpoint(root, step: int, staging, state: dict[str, Any], parts: Op
     root, tmp = Path(root), Path(staging)
     meta = dict(meta or {})
     name = step_dirname(step)
-    final = root / name
     files = dict(parts or {})
     files[STATE_FILE] = _write_torch_file(tmp / STATE_FILE, state)
     manifest = {"format_version": FORMAT_VERSION, "step": step, "files": files,
@@ -200,7 +207,13 @@ def commit_checkpoint(root, step: int, staging, state: dict[str, Any], parts: Op
     # The manifest goes last: a directory whose manifest parses had all its files written first.
     _write_text_durably(tmp / MANIFEST_NAME, json.dumps(manifest, indent=1, sort_keys=True))
     _fsync_dir(tmp)
+    return _publish(root, tmp, name, keep_last)
 
+
+def _publish(root: Path, tmp: Path, name: str, keep_last: Optional[int]) -> Path:
+    """Rename the finished staging dir ``tmp`` (manifest written and fsynced) to ``root/name``,
+    point ``latest`` at it, then prune to ``keep_last``. Returns the final path."""
+    final = root / name
     if final.exists():
         # Directories cannot be replaced over a non-empty target, so move the old one aside
         # (a single atomic rename), move the new one in, then delete the old one.
@@ -273,8 +286,9 @@ def read_manifest(path) -> dict:
             or not isinstance(manifest.get("step"), int):
         raise CheckpointError(f"{mpath} lacks the 'step' / 'files' entries")
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise CheckpointError(f"{mpath} has format_version={version!r}; this code reads {FORMAT_VERSION}")
+    if version not in READABLE_FORMAT_VERSIONS:
+        raise CheckpointError(f"{mpath} has format_version={version!r}; this code reads "
+                              f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))}")
     return manifest
 
 
@@ -283,7 +297,7 @@ def validate_checkpoint(path, verify_checksums: bool = True) -> tuple[bool, str]
 
     Returns ``(True, "ok")`` or ``(False, reason)``. Checks: manifest present and parseable, step
     matching the directory name, every listed file present with the recorded byte size and (when
-    ``verify_checksums``) the recorded sha256.
+    ``verify_checksums``) the recorded sha256; files whose entry has no sha256 are checked for size only.
     """
     path = Path(path)
     if not path.is_dir():
@@ -301,7 +315,7 @@ def validate_checkpoint(path, verify_checksums: bool = True) -> tuple[bool, str]
         size = fpath.stat().st_size
         if size != entry.get("bytes"):
             return False, f"{fpath} has {size} bytes, manifest says {entry.get('bytes')} (truncated?)"
-        if verify_checksums and _sha256_file(fpath) != entry.get("sha256"):
+        if verify_checksums and "sha256" in entry and _sha256_file(fpath) != entry["sha256"]:
             return False, f"{fpath} fails its sha256 check (corrupt)"
     return True, "ok"
 

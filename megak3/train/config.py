@@ -45,6 +45,8 @@ class TrainConfig:
     """steps between checkpoints (0: only at the end)"""
     keep_last: int = 2
     """complete checkpoints kept on disk (older ones are pruned)"""
+    async_save: bool = False
+    """checkpoint in the background: copy the shards to host memory, keep training while they are written"""
     resume: str = "none"
     """'none', 'auto' (newest complete checkpoint in run_dir/checkpoints) or a checkpoint directory"""
     run_dir: Optional[str] = None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -19,12 +18,13 @@ import torch.distributed as dist
 
 from moonep.stats import LoadRecorder
 from parallel.config import check_expert_tp
-from parallel.data_parallel import ShardedOptimizer, load_consolidated_state
-from parallel.expert_parallel import parallelize_ep
-from parallel.pipeline import PipelineEngine, keep_stage, rank_chunks
-from parallel.pipeline.schedules import check_schedule
+from parallel.data_parallel import CANONICAL_FORMAT, build_sharded_optimizer, load_consolidated_state
+from parallel.materialize import materialize
 from parallel.moe_stats import reduce_balancer
-from parallel.parallelize import canonical_name, load_full_state, parallelize_tp, sync_partial_grads
+from parallel.parallelize import parallelize, sync_partial_grads
+from parallel.pipeline import PipelineEngine
+from parallel.pipeline.schedules import check_schedule
+from parallel.plan import ParallelPlan, canonical_name
 from parallel.state import ParallelState
 
 from ..data.config import resolve_dataset
@@ -40,7 +40,7 @@ from ..optim import lr_at, set_lr
 from ..quant import apply_quantization
 from ..quant.te import fp8_autocast_context
 from . import checkpoint as ckpt
-from . import sharded_state
+from . import shard_store as ckpt_store
 from .config import JobConfig
 
 
@@ -97,52 +97,39 @@ class Trainer:
         self.dataset_prefix = prefix
 
         torch.manual_seed(t.seed)
-        # every rank builds the same full model (init is a function of seed and name), then keeps its shard
-        self.model: K3Model = build_model(job.model, seed=t.seed)
-        self.plan = parallelize_tp(self.model, ps.tp_group, self.sequence_parallel)
-        # routed experts: this EP rank's E/ep home experts, dispatched by MoonEP (or the baseline)
-        self.load_recorder = LoadRecorder()
-        self.ep_plan = parallelize_ep(self.model, ps.ep_group if ps.ep_size > 1 else None, job.moonep,
-                                      recorder=self.load_recorder if ps.ep_size > 1 else None)
-        self.ep_shard_dim: dict = dict(self.ep_plan.shard_dim)
-        """canonical name -> dim of the expert-parallel shard (routed experts under parallel.ep > 1)"""
-        # expert gradients are complete within the EP group (every token of the TP/EP ranks reaches
-        # them through the dispatch), so they are reduced over expert-DP, never summed over TP
-        self.plan.partial_grad = [n for n in self.plan.partial_grad if n not in self.ep_shard_dim]
-        # pipeline: this rank keeps its stage's layers (names unchanged, so checkpoints merge across pp)
+        # the model: built on the meta device, parallelized (one plan), then only this rank's
+        # shards are allocated and initialised (bitwise the same box of the single-process init)
+        self.model: K3Model = build_model(job.model, device="meta")
+        self.plan: ParallelPlan = parallelize(self.model, ps, par, job.moonep)
+        materialize(self.model, self.plan, t.seed, job.model.init_std, self.device)
+        self.load_recorder = self.plan.load_recorder or LoadRecorder()
         self.engine = None
         if ps.pp_size > 1:
             check_schedule(par.pp_schedule, ps.pp_size, par.vp, self.grad_accum)
-            mine = rank_chunks(job.model, ps.pp_size, ps.pp_rank, par.vp, par.pp_layout, par.pp_split_blocks)
-            keep_stage(self.model, mine, ps.pp_rank == 0, ps.pp_rank == ps.pp_size - 1)
-            self.engine = PipelineEngine(self.model, mine, ps.pp_group, par.pp_schedule,
+            self.engine = PipelineEngine(self.model, self.plan.stage_chunks, ps.pp_group, par.pp_schedule,
                                          seq_shard=ps.tp_size if self.sequence_parallel else 1,
                                          timeout_s=par.timeout_s)
-            kept = {canonical_name(n) for n, _ in self.model.named_parameters()}
-            self.plan.partial_grad = [n for n in self.plan.partial_grad if n in kept]
-        self.model.to(self.device)
         apply_quantization(self.model, job.quant)  # QAT hooks sit where the expert weights live
         self.model.gradient_checkpointing = t.activation_checkpointing
-        ep = ps.ep_size > 1
-        # expert shards are replicated over expert-DP only (None when edp = 1: no reduction at all)
-        sharded = self.ep_shard_dim
-        self.optimizer = ShardedOptimizer(
-            self.model, job.optim, ps.dp_group,
-            group_for=lambda name, _p: ps.edp_group if canonical_name(name) in sharded else ps.dp_group)
-        if ps.tp_size > 1:
-            self.optimizer.set_tensor_parallel(ps.tp_group, self.plan.shard_dim)
-        if ep:  # EP ranks hold different experts: the grad norm sums their squares over the EP group
-            self.optimizer.add_norm_partition(ps.ep_group, experts_only=True)
-        if ps.pp_size > 1:  # stages hold disjoint parameters
-            self.optimizer.add_norm_partition(ps.pp_group)
+        self.optimizer = build_sharded_optimizer(self.model, job.optim, self.plan)
         mcfg = job.model.moe
-        self.balancers = [QBAccumulator(mcfg.num_experts, mcfg.top_k, mcfg.qb_method, mcfg.qb_bins)
+        self.balancers = [QBAccumulator(mcfg.num_experts, mcfg.top_k, self._qb_method(), mcfg.qb_bins)
                           for _ in self.model.moe_layers()] if mcfg.balancing == "quantile" else []
-        # groups whose ranks route different tokens: QB statistics and loads are reduced over them
-        self.token_groups = [g for g in (ps.tp_group if self.sequence_parallel else None, ps.dp_group)
-                             if g is not None]
+        self.token_groups = self.plan.token_groups
+        self.checkpointer = ckpt_store.ShardedCheckpointer(self.ckpt_dir, ps.rank, ps.world_size,
+                                                           keep_last=t.keep_last, async_save=t.async_save)
         self.step = 0
         self.history: list[dict] = []
+        self._pending: list[dict] = []  # per-step device metrics not yet reduced and logged
+
+    def _qb_method(self) -> str:
+        m = self.job.model.moe.qb_method
+        try:
+            from ..model.balancing import resolve_qb_method
+        except ImportError:
+            return "exact" if m == "auto" else m
+        return resolve_qb_method(m, self.job.train.global_batch_size * self.job.data.seq_len,
+                                 self.job.model.moe.num_experts)
 
     def _resolve_data(self):
         # rank 0 builds the demo dataset once; the others wait and then open the cached copy
@@ -154,75 +141,116 @@ class Trainer:
             dist.barrier()
         return out
 
-    def _sum(self, value: float, groups) -> float:
-        t = torch.tensor([float(value)], dtype=torch.float64)
+    def _all_reduce(self, t: torch.Tensor, groups) -> torch.Tensor:
+        """Sum the device tensor ``t`` in place over each group (one collective per group)."""
         for g in groups:
-            dist.all_reduce(t, group=g)
-        return float(t)
+            if g is not None:
+                dist.all_reduce(t, group=g)
+        return t
 
     # ---- state -------------------------------------------------------------------------------
-    # A checkpoint holds one part per rank (``rank_XXXXX.pt``: the rank's TP shard of the weights
-    # when it is DP rank 0, and the optimizer state of the parameters it owns under ZeRO-1) plus a
-    # common ``state.pt`` (step, data position, RNG, layout). Every part is written by its own
-    # rank; rank 0 commits the directory atomically once all parts are on disk. Loading merges the
-    # parts into full tensors under single-process names, so any layout (or one process) resumes.
-    def _part(self) -> dict:
-        ps = self.ps
+    # A checkpoint is per shard (megak3/train/shard_store.py): every rank writes the boxes it is the
+    # saver of (plan.is_saver: one rank per distinct shard) and the optimizer state of the
+    # parameters it owns under ZeRO-1, each with its global shape and offsets; rank 0 adds the
+    # common state (step, data position, RNG, layout) and commits. Loading reads, for every tensor
+    # this rank holds in the CURRENT layout, only the bytes of its box, so any layout resumes.
+    def _entries(self) -> tuple[dict, dict]:
+        plan, E = self.plan, ckpt_store.ShardEntry
+        entries = {}
         state = {canonical_name(k): v for k, v in self.model.state_dict().items()}
-        tags = sharded_state.make_tags(state, self.plan.shard_dim, ps.tp_size, self.ep_shard_dim, ps.ep_size)
-        # one saver per distinct shard: DP rank 0 for dense tensors, expert-DP rank 0 for expert shards
-        model = {n: v.detach().cpu().clone() for n, v in state.items()
-                 if (ps.edp_rank if (tags[n] or ("",))[0] == "ep" else ps.dp_rank) == 0}
-        optim = self.optimizer.export_state(canonical=True)
-        optim["state"] = {n: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in st.items()}
-                          for n, st in optim["state"].items()}
-        coords = {"tp": (ps.tp_rank, ps.tp_size), "ep": (ps.ep_rank, ps.ep_size), "pp": (ps.pp_rank, ps.pp_size),
-                  "dp": (ps.dp_rank, ps.dp_size), "edp": (ps.edp_rank, ps.edp_size)}
-        return sharded_state.build_part(coords, tags, model, optim)
+        for n, v in state.items():
+            if plan.is_saver(n):
+                sh = plan.tensors[n]
+                entries[f"model/{n}"] = E(v.detach(), sh.global_shape, sh.offsets)
+        meta = {}
+        exp = self.optimizer.export_state(canonical=True)
+        for n, st in exp["state"].items():
+            sh = plan.tensors[n]
+            scalars = {}
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.ndim > 0:
+                    entries[f"optim/{n}/{k}"] = E(v, sh.global_shape, sh.offsets)
+                else:
+                    scalars[k] = v.cpu() if torch.is_tensor(v) else v
+            meta[f"optim_meta/{n}"] = {"optimizer": exp["optimizer"][n],
+                                       "hyperparameters": exp["hyperparameters"][n], "scalars": scalars}
+        return entries, meta  # one object key per parameter: the reader unites the ranks' keys
 
-    def save(self) -> Optional[Path]:
-        """Collective: every rank writes its part, rank 0 commits. Returns the path on rank 0."""
-        multi = self.ps.world_size > 1
-        box = [ckpt.prepare_staging(self.ckpt_dir, self.step) if self.rank == 0 else None]
-        if multi:
-            dist.broadcast_object_list(box, src=0)
-        entry = ckpt.write_part(box[0], f"rank_{self.rank:05d}.pt", self._part())
-        entries = [None] * self.ps.world_size if self.rank == 0 else None
-        if multi:
-            dist.gather_object((self.rank, entry), entries, dst=0)
-        else:
-            entries = [(0, entry)]
-        path = None
+    def save(self) -> None:
+        """Collective: every rank writes its shards; rank 0 commits (in the background with
+        ``train.async_save``, after a barrier otherwise)."""
+        ps = self.ps
+        entries, objects = self._entries()
+        common = meta = None
         if self.rank == 0:
             common = {"step": self.step, "train_data": self.train_data.state_dict(),
-                      "rng": ckpt.capture_rng_state(), "world_size": self.ps.world_size,
-                      "layout": {"tp": self.ps.tp_size, "dp": self.ps.dp_size, "ep": self.ps.ep_size, "pp": self.ps.pp_size,
-                                 "sequence_parallel": self.sequence_parallel}}
+                      "rng": ckpt.capture_rng_state(), "world_size": ps.world_size,
+                      "threads": torch.get_num_threads(),
+                      "layout": {"tp": ps.tp_size, "dp": ps.dp_size, "ep": ps.ep_size, "pp": ps.pp_size,
+                                 "vp": self.job.parallel.vp, "sequence_parallel": self.sequence_parallel}}
             meta = {"step": self.step, "dataset": str(self.dataset_prefix), "config": self.config_dict}
-            parts = {f"rank_{r:05d}.pt": e for r, e in entries}
-            path = ckpt.commit_checkpoint(self.ckpt_dir, self.step, box[0], common, parts=parts, meta=meta,
-                                          keep_last=self.job.train.keep_last)
-        if multi:
+        self.checkpointer.save(self.step, entries, objects=objects, common=common, meta=meta)
+        if not self.job.train.async_save and ps.world_size > 1:
             dist.barrier()  # nobody reads the checkpoint directory before it is complete
-        return path
 
+    def wait_for_checkpoint(self) -> None:
+        """Block until a background save has been written and committed."""
+        self.checkpointer.wait()
+        if self.job.train.async_save and self.ps.world_size > 1:
+            dist.barrier()
+
+    @torch.no_grad()
     def load(self, path: Path) -> None:
-        """Merge a checkpoint's per-rank parts into full tensors and load this rank's shard."""
-        state, manifest = ckpt.load_checkpoint(path, map_location="cpu", weights_only=False)
-        parts = [ckpt.load_part(path, name, weights_only=False)
-                 for name in sorted(manifest["files"]) if name.startswith("rank_")]
-        full_model, full_optim = sharded_state.merge_parts(parts)
-        ps = self.ps
-        names = [canonical_name(k) for k in self.model.state_dict()]
-        local = sharded_state.local_model_state(full_model, names, self.ep_shard_dim, ps.ep_rank, ps.ep_size)
-        load_full_state(self.model, local, self.plan)
-        opt_names = [canonical_name(sp.name) for sp in self.optimizer.specs]
-        local_opt = sharded_state.local_optimizer_state(full_optim, opt_names, self.ep_shard_dim, ps.ep_rank,
-                                                        ps.ep_size)
-        load_consolidated_state(self.optimizer, local_opt, self.plan)
-        self.train_data.load_state_dict(state["train_data"])
-        ckpt.restore_rng_state(state["rng"])
-        self.step = int(state["step"])
+        """Read this rank's boxes of every tensor it holds (model and owned optimizer state)."""
+        try:
+            reader = ckpt_store.CheckpointReader(path)
+        except ckpt.CheckpointError as e:
+            raise ValueError(str(e)) from None
+        plan = self.plan
+        keys = set(reader.keys())
+        own = {canonical_name(k): v for k, v in self.model.state_dict().items()}
+        for n, dst in own.items():
+            key = f"model/{n}"
+            sh = plan.tensors[n]
+            if key not in keys:
+                raise ValueError(f"checkpoint {path} lacks model tensor {n!r}; it was saved from a different "
+                                 "model config")
+            if tuple(reader.global_shape(key)) != sh.global_shape:
+                raise ValueError(f"checkpoint tensor {n} has shape {tuple(reader.global_shape(key))}, this model "
+                                 f"needs {sh.global_shape}; it was saved from a different model config")
+            dst.copy_(reader.read(key, sh.offsets, sh.local_shape))
+        objs = reader.objects()
+        meta = dict(objs.get("optim_meta", {}))  # one-rank checkpoints (tools/convert_checkpoint.py)
+        meta.update({k.split("/", 1)[1]: v for k, v in objs.items() if k.startswith("optim_meta/")})
+        state = {"format": CANONICAL_FORMAT, "state": {}, "optimizer": {}, "hyperparameters": {}}
+        owned = {canonical_name(self.optimizer.specs[i].name) for i in self.optimizer.main}
+        for spec in self.optimizer.specs:
+            n = canonical_name(spec.name)
+            if n not in meta:
+                raise ValueError(f"checkpoint {path} lacks optimizer state for {n!r}; it was saved from a "
+                                 "different model")
+            st = dict(meta[n]["scalars"])
+            if n in owned:
+                sh = plan.tensors[n]
+                for key in (k for k in keys if k.startswith(f"optim/{n}/")):
+                    st[key.rsplit("/", 1)[1]] = reader.read(key, sh.offsets, sh.local_shape)
+            state["state"][n] = st if n in owned else {}
+            state["optimizer"][n] = meta[n]["optimizer"]
+            state["hyperparameters"][n] = meta[n]["hyperparameters"]
+        load_consolidated_state(self.optimizer, state, None)
+        common = reader.common
+        self.train_data.load_state_dict(common["train_data"])
+        ckpt.restore_rng_state(common["rng"])
+        self.step = int(common["step"])
+        saved_threads = common.get("threads")
+        if saved_threads is not None and saved_threads != torch.get_num_threads() and self.rank == 0:
+            print(f"warning: checkpoint was written with {saved_threads} torch threads, resuming with "
+                  f"{torch.get_num_threads()}: CPU results are bit-identical only at the same thread count "
+                  "(set train.threads)", flush=True)
+        self.load_stats = {"bytes_read": reader.bytes_read, "meta_bytes_read": reader.meta_bytes_read,
+                           "shard_bytes": sum(t.numel() * t.element_size() for t in own.values())
+                           + sum(v.numel() * v.element_size() for st in state["state"].values()
+                                 for v in st.values() if torch.is_tensor(v) and v.ndim > 0)}
 
     def maybe_resume(self) -> Optional[Path]:
         spec = self.job.train.resume
@@ -253,33 +281,41 @@ class Trainer:
         return {k: (v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
     def next_micro_batches(self) -> list:
-        return [self._to_device(next(self.train_data)) for _ in range(self.grad_accum)]
+        return [next(self.train_data) for _ in range(self.grad_accum)]
 
     def accumulate_gradients(self, micro: list) -> dict:
-        """Forward/backward over one step's micro-batches; feeds the QB accumulators.
+        """Forward/backward over one step's micro-batches (host tensors, moved here); feeds the QB
+        accumulators. Returns this rank's step record of DEVICE tensors (no host sync):
+        ``loss_sum`` (labelled-token loss summed over its micro-batches), ``loads`` [layers, E] or
+        None, ``tokens`` (an int: input tokens of the step over the data-parallel group).
 
         Each micro-batch backpropagates its share of the GLOBAL token mean (tokens summed over the
-        data-parallel group), so gradients are summed, never averaged, across micro-batches and ranks."""
+        data-parallel group: one all-reduce of a device scalar), so gradients are summed, never
+        averaged, across micro-batches and ranks."""
         model, ps = self.model, self.ps
         model.train()
-        local_tokens = sum(int((b["labels"] != -100).sum()) for b in micro)
-        step_tokens = self._sum(local_tokens, [ps.dp_group] if ps.dp_group is not None else [])
-        loads, loss_sum = None, 0.0
+        local_tokens = sum(int((b["labels"] != -100).sum()) for b in micro)  # host batches: no sync
+        step_tokens = self._all_reduce(torch.tensor([float(local_tokens)], dtype=torch.float64, device=self.device),
+                                       [ps.dp_group])
+        denom = step_tokens.clamp_min(1.0)
+        micro = [self._to_device(b) for b in micro]
+        loads = None
         biases = [m.gate.e_score_correction_bias for m in model.moe_layers()]
         if self.engine is not None:  # the pipeline schedule runs every micro-batch's forward/backward
             with self._autocast():
-                loss_sum, stats_per_mb = self.engine.train_step(micro, step_tokens)
+                loss, stats_per_mb = self.engine.train_step(micro, denom[0])
+            loss_sum = torch.as_tensor(loss, dtype=torch.float64, device=self.device)
         else:
-            stats_per_mb = []
+            stats_per_mb, loss_sum = [], torch.zeros((), dtype=torch.float64, device=self.device)
             for b in micro:
                 with self._autocast():
                     out = model(b["input_ids"], labels=b["labels"], cu_seqlens=b.get("cu_seqlens"))
-                (out.loss_sum / max(step_tokens, 1)).backward()
-                loss_sum += out.loss_sum.item()
+                (out.loss_sum / denom[0].to(out.loss_sum.dtype)).backward()
+                loss_sum = loss_sum + out.loss_sum.detach().double()
                 stats_per_mb.append(out.moe_stats)
         for moe_stats in stats_per_mb:
             if moe_stats:
-                counts = torch.stack([s.tokens_per_expert_E.float() for s in moe_stats])
+                counts = torch.stack([st.tokens_per_expert_E.float() for st in moe_stats])
                 loads = counts if loads is None else loads + counts
                 if ps.ep_size == 1:  # under EP the dispatchers record (with the plan)
                     for i, st in enumerate(moe_stats):
@@ -287,16 +323,8 @@ class Trainer:
             for acc, st, bias in zip(self.balancers, moe_stats, biases):
                 acc.add(st.scores_TE, bias)
         sync_partial_grads(model, self.plan, ps.tp_group)
-        loss_sum = self._sum(loss_sum, [ps.dp_group] if ps.dp_group is not None else [])
-        if loads is not None:
-            for g in self.token_groups:
-                dist.all_reduce(loads, group=g)
-        maxvio = float(sum(max_violation(l) for l in loads) / len(loads)) if loads is not None else 0.0
-        if ps.pp_size > 1:  # every stage reports the mean over the model's MoE layers
-            maxvio = self._sum(maxvio * len(self.balancers), [ps.pp_group]) / max(
-                self._sum(len(self.balancers), [ps.pp_group]), 1)
         tokens = sum(b["input_ids"].numel() for b in micro) * ps.dp_size
-        return {"loss": loss_sum / max(step_tokens, 1), "expert_load_max_violation": maxvio, "tokens": tokens}
+        return {"loss_sum": loss_sum, "step_tokens": step_tokens, "loads": loads, "tokens": tokens}
 
     def optimizer_step(self) -> dict:
         """Reduce over DP, clip by the global norm, Muon/AdamW step, then the Quantile-Balancing update."""
@@ -316,7 +344,47 @@ class Trainer:
                 bias.copy_(acc.solve(bias))
                 acc.reset()
         self.step += 1
-        return {"lr": lr, "grad_norm": float(gnorm)}
+        return {"lr": lr, "grad_norm": gnorm}
+
+    def flush_metrics(self) -> list[dict]:
+        """Reduce every pending step's logging scalars together and return one record per step.
+
+        One collective per group, whatever the number of pending steps: loss sums over dp (in the
+        same vector as the step token counts), expert loads over the token groups, and under
+        pipeline parallelism the per-layer max-violation over the stages."""
+        if not self._pending:
+            return []
+        ps, pend = self.ps, self._pending
+        self._pending = []
+        n = len(pend)
+        vec = torch.stack([torch.stack([p["loss_sum"].reshape(()), p["step_tokens"].reshape(())]) for p in pend])
+        if ps.dp_group is not None:  # loss sums of this rank's micro-batches, summed over dp
+            vec[:, 0] = self._all_reduce(vec[:, 0].contiguous(), [ps.dp_group])
+        loads = [p["loads"] for p in pend]
+        mv = torch.zeros(n, 2, dtype=torch.float64, device=self.device)
+        if loads[0] is not None:
+            L = self._all_reduce(torch.stack(loads), self.token_groups)  # [steps, layers, E]
+            per_layer = torch.stack([torch.stack([max_violation(l) for l in step]) for step in L])
+            mv[:, 0] = per_layer.double().sum(-1)
+            mv[:, 1] = L.shape[1]
+        if ps.pp_size > 1:  # every stage reports the mean over the model's MoE layers
+            self._all_reduce(mv, [ps.pp_group])
+        gn = torch.stack([torch.as_tensor(p["grad_norm"], dtype=torch.float64, device=self.device).reshape(())
+                          for p in pend])
+        host = torch.cat([vec, mv, gn[:, None]], dim=1).tolist()  # the one host sync of the window
+        out = []
+        for p, (loss_sum, tokens, mv_sum, mv_n, g) in zip(pend, host):
+            out.append({"step": p["step"], "loss": loss_sum / max(tokens, 1.0), "lr": p["lr"], "grad_norm": g,
+                        "expert_load_max_violation": mv_sum / mv_n if mv_n else 0.0})
+        return out
+
+    def train_step(self) -> dict:
+        """One optimizer step; its metrics stay on the device until :meth:`flush_metrics`."""
+        rec = self.accumulate_gradients(self.next_micro_batches())
+        rec.update(self.optimizer_step())
+        rec["step"] = self.step
+        self._pending.append(rec)
+        return rec
 
     def _expert_load_window(self) -> dict:
         """Expert-load metrics of the logging window (the one host sync of the statistics).
@@ -332,34 +400,29 @@ class Trainer:
         rec.reset()
         return {k: v for k, v in out.items() if not k.startswith("moe/L")}  # per-layer: in the JSONL
 
-    def train_step(self) -> dict:
-        m = self.accumulate_gradients(self.next_micro_batches())
-        m.update(self.optimizer_step())
-        return m
-
     @torch.no_grad()
     def evaluate(self) -> float:
         """Token-weighted validation loss over ``train.eval_batches`` micro-batches per DP rank.
 
         Every rank runs the same number of batches (the validation stream wraps), so the
-        collectives inside the model line up."""
+        collectives inside the model line up; the sums stay on the device and are reduced once."""
         self.model.eval()
         batches = iter(Batcher(self._valid_packed, self.job.train.micro_batch_size, self.ps.dp_rank,
                                self.ps.dp_size))
-        total, n = 0.0, 0
+        acc = torch.zeros(2, dtype=torch.float64, device=self.device)
         for _ in range(max(1, self.job.train.eval_batches)):
             b = self._to_device(next(batches))
             with self._autocast():
                 if self.engine is not None:
                     ls, nt = self.engine.forward_only([b])
-                    total, n = total + ls, n + nt
+                    acc += torch.tensor([ls, nt], dtype=torch.float64, device=self.device)
                     continue
                 out = self.model(b["input_ids"], labels=b["labels"], cu_seqlens=b.get("cu_seqlens"))
-            total += out.loss_sum.item()
-            n += out.num_tokens
+            acc[0] += out.loss_sum.detach().double()
+            acc[1] += out.num_tokens
         self.model.train()
-        groups = [self.ps.dp_group] if self.ps.dp_group is not None else []
-        return self._sum(total, groups) / max(self._sum(n, groups), 1)
+        total, n = self._all_reduce(acc, [self.ps.dp_group]).tolist()
+        return total / max(n, 1.0)
 
     # ---- the loop ----------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -384,39 +447,51 @@ class Trainer:
         return {"first_val_loss": self.first_val, "final_val_loss": self.final_val, "steps": self.step,
                 "last": self.last_metrics, "run_dir": str(self.run_dir)}
 
-    def _loop(self, logger, gpu, clock, preempt) -> None:
-        job, t = self.job, self.job.train
-        window_tokens, window_steps = 0, 0
-        while self.step < t.max_steps:
-            m = self.train_step()
+    def _log_window(self, logger, gpu, clock, window_tokens: int, window_steps: int) -> None:
+        """Reduce the pending steps' metrics (one collective per group) and log each step."""
+        records = self.flush_metrics()
+        for i, m in enumerate(records):
+            step = m.pop("step")
             if not math.isfinite(m["loss"]):
                 logger.close()
-                raise FloatingPointError(f"loss is {m['loss']} at step {self.step}; lower optim.lr or "
+                raise FloatingPointError(f"loss is {m['loss']} at step {step}; lower optim.lr or "
                                          "use train.precision=fp32")
-            window_tokens += m.pop("tokens")
-            window_steps += 1
-            self.history.append({"step": self.step, "loss": m["loss"]})
-            if self.step % job.logging.log_interval == 0 or self.step == t.max_steps:
+            self.history.append({"step": step, "loss": m["loss"]})
+            if i == len(records) - 1:  # window figures go with the window's last step
                 m.update(clock.step(window_tokens, window_steps))
                 m["peak_memory_mb"] = peak_memory_mb()
                 m.update(self._expert_load_window())
                 if gpu is not None:
                     m.update(gpu.sample())
-                window_tokens, window_steps = 0, 0
-            logger.log(self.step, m)
+            logger.log(step, m)
             self.last_metrics = m
+
+    def _loop(self, logger, gpu, clock, preempt) -> None:
+        job, t = self.job, self.job.train
+        window_tokens, window_steps = 0, 0
+        while self.step < t.max_steps:
+            rec = self.train_step()
+            window_tokens += rec.pop("tokens")
+            window_steps += 1
             boundary = self.step == t.max_steps
-            if (t.eval_interval and self.step % t.eval_interval == 0) or boundary:
+            eval_now = (t.eval_interval and self.step % t.eval_interval == 0) or boundary
+            saved = (t.save_interval and self.step % t.save_interval == 0) or boundary
+            if self.step % job.logging.log_interval == 0 or eval_now or saved or boundary:
+                self._log_window(logger, gpu, clock, window_tokens, window_steps)
+                window_tokens, window_steps = 0, 0
+            if eval_now:
                 self.final_val = self.evaluate()
                 logger.log_eval(self.step, {"val_loss": self.final_val})
                 clock.reset()
-            saved = (t.save_interval and self.step % t.save_interval == 0) or boundary
             if saved:
                 self.save()
                 clock.reset()
             if preempt.requested():  # collective: every rank asks at every step, all agree
+                self._log_window(logger, gpu, clock, window_tokens, window_steps)
                 if not saved:
                     self.save()
+                self.wait_for_checkpoint()
                 logger.write(f"preempted by {preempt.signal_name} at step {self.step}: checkpoint saved")
                 logger.close()
                 raise Preempted(self.step, preempt.signal_name)
+        self.wait_for_checkpoint()

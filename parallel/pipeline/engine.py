@@ -298,7 +298,7 @@ class PipelineEngine:
         t0 = time.perf_counter()
         self.store.key = (c, i)
         if self._v(c) == self.V - 1:
-            (outputs[0] / self.step_tokens).backward()
+            (outputs[0] / self.step_tokens.to(outputs[0].dtype)).backward()
         else:
             pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
             torch.autograd.backward([o for o, _ in pairs], grad_tensors=[g for _, g in pairs])
@@ -374,18 +374,19 @@ class PipelineEngine:
         return float(loss_sum[0]), int(loss_sum[1])
 
     # ---- one step --------------------------------------------------------------------------------
-    def train_step(self, micro_batches: Sequence[dict], step_tokens: int):
+    def train_step(self, micro_batches: Sequence[dict], step_tokens):
         """Forward + backward of every micro-batch; gradients accumulate in ``.grad``.
 
         Returns (loss_sum of the step, identical on every stage; MoE stats of this rank's layers,
-        one list per micro-batch in layer order)."""
+        one list per micro-batch in layer order). ``step_tokens``: the step's labelled tokens over
+        the data-parallel group, a number or a device scalar tensor (no host sync)."""
         m = len(micro_batches)
         schedule = build_schedule(self.schedule, self.p, m, self.vp)
-        self.step_tokens = max(int(step_tokens), 1)
+        self.step_tokens = torch.as_tensor(step_tokens, device=next(self.model.parameters()).device).clamp_min(1)
         if splits_weight_grad(self.schedule):
             with self.store.capture():
                 loss_sum, stats = self._run(micro_batches, schedule, train=True)
             self.store.flush_all()  # nothing is left normally; a guard against a schedule bug
         else:
             loss_sum, stats = self._run(micro_batches, schedule, train=True)
-        return float(loss_sum[0]), stats
+        return loss_sum[0], stats

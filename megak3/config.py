@@ -74,10 +74,12 @@ class MoEConfig:
     """multiplier on the renormalised router weights"""
     balancing: str = "quantile"
     """router-bias balancing: 'quantile' (Quantile Balancing, Eq.14) or 'none' (bias stays 0)"""
-    qb_method: str = "exact"
-    """how QB finds per-expert quantiles: 'exact' (top-k over all margins) or 'histogram' (fixed bins, all-reducible)"""
+    qb_method: str = "auto"
+    """how QB finds per-expert quantiles: 'exact' (top-k over all margins, all-gathered across ranks),
+    'histogram' ([E, qb_bins] counts, all-reduced; within a bin width of exact) or 'auto' (exact while one
+    layer's gathered margins, global_batch_size x seq_len x num_experts x 4 B, stay <= 64 MiB; else histogram)"""
     qb_bins: int = 4096
-    """histogram bins for qb_method='histogram'"""
+    """histogram bins for qb_method='histogram' (or 'auto' when it picks the histogram)"""
 
 
 @dataclass
@@ -209,9 +211,15 @@ class ModelConfig:
         need(v.num_shared_experts >= 0, f"model.moe.num_shared_experts={v.num_shared_experts} must be >= 0")
         need(v.balancing in ("quantile", "none"),
              f"model.moe.balancing={v.balancing!r}: choose 'quantile' or 'none'")
-        need(v.qb_method in ("exact", "histogram"),
-             f"model.moe.qb_method={v.qb_method!r}: choose 'exact' or 'histogram'")
+        need(v.qb_method in ("auto", "exact", "histogram"),
+             f"model.moe.qb_method={v.qb_method!r}: choose 'auto', 'exact' or 'histogram'")
         need(self.situ_beta1 > 0 and self.situ_beta2 > 0, "model.situ_beta1/situ_beta2 must be positive")
+        for name, val in (("rms_norm_eps", self.rms_norm_eps), ("mla.latent_norm_eps", m.latent_norm_eps)):
+            need(0 < val < 1, f"model.{name}={val} must lie in (0, 1) (typical: 1e-5)")
+        need(0 < self.init_std < 1, f"model.init_std={self.init_std} must lie in (0, 1) (K3 uses 0.02)")
+        need(0 < v.routed_scaling_factor < float("inf"),
+             f"model.moe.routed_scaling_factor={v.routed_scaling_factor} must be a positive number")
+        need(v.qb_bins >= 2, f"model.moe.qb_bins={v.qb_bins} must be >= 2")
         ids = dict(bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id,
                    pad_token_id=self.pad_token_id, media_placeholder_token_id=self.media_placeholder_token_id)
         for f, val in ids.items():

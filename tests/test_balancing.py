@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from megak3.model.balancing import QBAccumulator, max_violation, qb_alternating, qb_update
+from megak3.model.balancing import (QB_EXACT_MAX_BYTES, QBAccumulator, max_violation, qb_alternating, qb_update,
+                                   resolve_qb_method)
 
 
 def loads(s_TE, b_E, k):
@@ -138,18 +139,93 @@ def test_accumulate_two_microbatches_equals_concat():
 
 
 @pytest.mark.parametrize("bins", [64, 4096])
-def test_histogram_within_one_bin_of_exact(bins):
-    b = torch.randn(16, generator=torch.Generator().manual_seed(2)) * 0.05
+@pytest.mark.parametrize("scale", [0.05, 2.0])
+def test_histogram_within_one_bin_of_exact(bins, scale):
+    # scale 2.0: a bias far beyond the sigmoid score range, whose quantiles leave [-1, 1)
+    b = torch.randn(16, generator=torch.Generator().manual_seed(2)) * scale
+    b -= b.mean()
     exact, hist = QBAccumulator(16, 2, "exact"), QBAccumulator(16, 2, "histogram", bins=bins)
+    fixed = QBAccumulator(16, 2, "histogram", bins=bins, lo=-1.0, hi=1.0)
     for s in _batches(5, (200, 311)):
-        exact.add(s, b)
-        hist.add(s, b)
+        for acc in (exact, hist, fixed):
+            acc.add(s, b)
     assert hist.counts.shape == (16, bins) and int(hist.counts.sum()) == 511 * 16
-    width = 2.0 / bins
+    width = float(hist.bin_width)  # the range follows the bias: (2 + max b - min b) / bins
+    assert width == pytest.approx((2.0 + float(b.max() - b.min())) / bins, rel=1e-6)
     err = (hist.cutoffs() - exact.cutoffs()).abs().max().item()
     assert err <= width, (err, width)
     # after mean-centring both, each entry moves by at most one more width
     assert (hist.solve(b) - exact.solve(b)).abs().max().item() <= 2 * width
+    fixed_err = (fixed.cutoffs() - exact.cutoffs()).abs().max().item()
+    if scale == 0.05:  # every quantile inside [-1, 1): the fixed range is within ITS (finer) bin width too
+        assert fixed_err <= fixed.bin_width, (fixed_err, fixed.bin_width)
+    else:              # quantiles beyond -1 are clamped into the outer bin: what the bias-following range avoids
+        assert exact.cutoffs().min().item() < -1 and fixed_err > 0.1, fixed_err
+
+
+def test_histogram_empty_and_device():
+    b = torch.tensor([0.1, -0.1, 0.0, 0.0])
+    hist = QBAccumulator(4, 1, "histogram", bins=16)
+    assert torch.equal(hist.solve(b), b)              # nothing added: bias unchanged, no range needed
+    meta = QBAccumulator(4, 1, "histogram", bins=16, device="meta")
+    assert meta.counts.device.type == "meta" and meta.device.type == "meta"
+    meta.add(torch.rand(5, 4, device="meta"), torch.zeros(4, device="meta"))
+    meta.reset()                                       # reset keeps the state's device
+    assert meta.counts.device.type == meta.token_count.device.type == "meta"
+    acc = QBAccumulator(4, 1, "exact")
+    acc.add(torch.rand(6, 4, device="meta"), torch.zeros(4, device="meta"))
+    assert acc.device.type == "meta" and acc.num_tokens == 6  # the host count: no sync needed
+    acc.reset()
+    assert acc.device.type == "meta" and acc.margins().device.type == "meta" and acc.num_tokens == 0
+
+
+def test_resolve_qb_method_auto_threshold():
+    assert QB_EXACT_MAX_BYTES == 64 * 2**20
+    E = 1024
+    edge = QB_EXACT_MAX_BYTES // (4 * E)               # 16384 tokens x 1024 experts x 4 B = exactly 64 MiB
+    assert resolve_qb_method("auto", edge, E) == "exact"
+    assert resolve_qb_method("auto", edge + 1, E) == "histogram"
+    assert resolve_qb_method("auto", 4 * 2**20, 896) == "histogram"   # 4M tokens x 896 experts: 14 GB exact
+    assert resolve_qb_method("auto", 4 * 64, 8) == "exact"            # the test models
+    for m in ("exact", "histogram"):
+        assert resolve_qb_method(m, 10**9, 896) == m                  # explicit choices are kept
+    with pytest.raises(ValueError, match="qb_method"):
+        resolve_qb_method("median", 1, 8)
+    with pytest.raises(ValueError, match="resolve_qb_method"):
+        QBAccumulator(8, 2, "auto")
+
+
+def _reduce_on_ranks(rank, world_size, method, sizes):
+    import torch.distributed as dist
+
+    from parallel.collective_check import check_collective_devices
+    from parallel.moe_stats import reduce_balancer
+
+    b = torch.randn(16, generator=torch.Generator().manual_seed(3)) * 0.05
+    acc = QBAccumulator(16, 2, method, bins=256)
+    for s in _batches(11 + rank, sizes[rank]):
+        acc.add(s, b)
+    with check_collective_devices("cpu") as chk:  # every tensor on the accumulator's device, none meta
+        reduce_balancer(acc, dist.group.WORLD)
+        out = acc.solve(b)
+    chk.assert_clean()
+    assert chk.records and acc.num_tokens == sum(map(sum, sizes))
+    return out
+
+
+@pytest.mark.parametrize("method", ["exact", "histogram"])
+def test_reduce_balancer_equals_one_accumulator(method):
+    from parallel.testing import run_distributed
+
+    sizes = [(60, 40), (70,)]  # unequal token counts per rank: the exact gather pads
+    got = run_distributed(_reduce_on_ranks, 2, method, sizes, timeout_s=60)
+    b = torch.randn(16, generator=torch.Generator().manual_seed(3)) * 0.05
+    one = QBAccumulator(16, 2, method, bins=256)
+    for rank in range(2):
+        for s in _batches(11 + rank, sizes[rank]):
+            one.add(s, b)
+    assert torch.equal(got[0], got[1])  # every rank computes the same bias
+    torch.testing.assert_close(got[0], one.solve(b), rtol=0, atol=1e-6)
 
 
 def test_histogram_state_sums_like_one_accumulator():
@@ -170,7 +246,7 @@ def test_histogram_state_sums_like_one_accumulator():
 
 
 def test_histogram_clamps_out_of_range_margins():
-    acc = QBAccumulator(4, 1, "histogram", bins=8)
+    acc = QBAccumulator(4, 1, "histogram", bins=8, lo=-1.0, hi=1.0)  # a fixed range clamps
     s = torch.tensor([[0.9, 0.1, 0.2, 0.3]])
     acc.add(s, torch.tensor([0.0, -5.0, -5.0, -5.0]))  # alpha = 0.3 - 5: every margin is > 4
     assert acc.counts[:, -1].tolist() == [1, 1, 1, 1]

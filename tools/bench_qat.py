@@ -29,7 +29,7 @@ from megak3.data.config import DataConfig, resolve_dataset  # noqa: E402
 from megak3.data.indexed import IndexedDataset  # noqa: E402
 from megak3.data.packing import Batcher, PackedDataset  # noqa: E402
 from megak3.data.tokenizer import load_tokenizer  # noqa: E402
-from megak3.model.balancing import QBAccumulator  # noqa: E402
+from megak3.model.balancing import QBAccumulator, resolve_qb_method  # noqa: E402
 from megak3.model.k3 import build_model  # noqa: E402
 from megak3.optim import OptimConfig, build_optimizer, lr_at, set_lr  # noqa: E402
 from megak3.quant import QuantConfig, apply_quantization  # noqa: E402
@@ -82,7 +82,9 @@ def run(args, qcfg: QuantConfig, label: str, train_batches, valid_batches):
     ocfg = OptimConfig(lr=args.lr, warmup_steps=max(1, args.steps // 10))
     opt = build_optimizer(model, ocfg)
     moe = model.moe_layers()
-    qb = [QBAccumulator(cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.qb_method, cfg.moe.qb_bins) for _ in moe]
+    qb = [QBAccumulator(cfg.moe.num_experts, cfg.moe.top_k,
+                        resolve_qb_method(cfg.moe.qb_method, args.batch * args.seq_len, cfg.moe.num_experts),
+                        cfg.moe.qb_bins) for _ in moe]
     recorders = []
     if qcfg.qat != "none":
         for ex in expert_modules(model):

@@ -19,13 +19,37 @@ optimum would split it fractionally), so top-k tie-breaking can leave an expert 
 q; in small batches iterating may also stop at such a tie short of perfect balance.
 
 For the global batch of a data-parallel step the exact quantile over millions of margins is
-replaced by a fixed-range histogram whose per-bin counts are all-reduced (:class:`QBAccumulator`).
+replaced by a histogram whose per-bin counts are all-reduced (:class:`QBAccumulator`);
+:func:`resolve_qb_method` picks one of the two for ``model.moe.qb_method=auto``.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-__all__ = ["qb_update", "qb_alternating", "QBAccumulator", "max_violation", "token_margins"]
+__all__ = ["qb_update", "qb_alternating", "QBAccumulator", "max_violation", "token_margins", "resolve_qb_method",
+           "QB_EXACT_MAX_BYTES", "QB_METHODS"]
+
+QB_METHODS = ("auto", "exact", "histogram")
+"""values of model.moe.qb_method"""
+QB_EXACT_MAX_BYTES = 64 << 20
+"""auto: exact QB while one layer's gathered fp32 margins (tokens_per_step x E x 4 B) fit in 64 MiB, a
+small slice of accelerator memory that gathers in milliseconds; above it the [E, bins] histogram
+(E x 4096 x 8 B = 28 MiB at E=896) costs less and stays within a bin width of exact"""
+
+
+def resolve_qb_method(method: str, tokens_per_step: int, num_experts: int) -> str:
+    """'exact' or 'histogram' for ``model.moe.qb_method`` (``auto``: exact unless the margins that
+    exact QB gathers per MoE layer, tokens_per_step x num_experts x 4 bytes, exceed QB_EXACT_MAX_BYTES).
+
+    tokens_per_step: tokens of one optimizer step over all data-parallel ranks (global batch x seq_len).
+    """
+    if method not in QB_METHODS:
+        raise ValueError(f"model.moe.qb_method={method!r}: choose one of {', '.join(QB_METHODS)}")
+    if method != "auto":
+        return method
+    return "histogram" if int(tokens_per_step) * int(num_experts) * 4 > QB_EXACT_MAX_BYTES else "exact"
 
 
 def _target_rank(num_tokens: int, num_experts: int, top_k: int) -> int:
@@ -107,50 +131,101 @@ class QBAccumulator:
 
     ``add(scores_TE, bias_E)`` per micro-batch (margins use the bias that routed that micro-batch,
     which is the same for a whole step), ``solve(bias_E)`` at the step end, ``reset()`` after it.
+    The state lives on the device of the scores (``device``, or the first ``add``'s); ``reset``
+    keeps it there.
 
     method='exact': keeps every margin; ``solve`` is Eq.14 on the concatenated batch (accumulating
-      micro-batches equals one concatenated batch). Its state has a data-dependent size, so it
-      cannot be all-reduced: use 'histogram' when ranks must agree on one bias.
+      micro-batches equals one concatenated batch). Its state has a data-dependent size: across
+      ranks it is all-gathered (parallel.moe_stats.reduce_balancer), tokens_per_step x E x 4 bytes.
     method='histogram': per-expert counts over ``bins`` equal bins of [lo, hi) (``counts`` [E, bins]
-      int64, ``num_tokens``); ``state_tensors()`` lists the tensors a data-parallel layer sums
-      across ranks before ``solve``. The per-expert quantile is located in the bin where the count
-      from the top reaches q+1 and interpolated linearly inside it, so it is within one bin width
-      (hi-lo)/bins of the exact value whenever all margins lie in [lo, hi). Margins s - alpha lie in
-      (-1 - max b, 1 - min b); values outside [lo, hi) are clamped into the outer bins (only
-      reachable with |b| comparable to the score range; QB biases are mean-centred and small).
+      int64, ``token_count`` [1] int64); ``state_tensors()`` lists the tensors a data-parallel layer
+      sums across ranks before ``solve``. The per-expert quantile is located in the bin where the
+      count from the top reaches q+1 and interpolated linearly inside it, so it is within one bin
+      width (hi-lo)/bins of the exact value whenever that quantile lies in [lo, hi); margins outside
+      are clamped into the outer bins (the counts from the top stay right for every inner bin).
+      Range: by default it follows the step's bias, lo = -1 - max(b), hi = 1 - min(b), which holds
+      every margin s - alpha of scores s in [0, 1] (alpha is the (k+1)-th largest s + b), so nothing
+      is clamped however far |b| grows; bins are (2 + max b - min b)/bins wide. The bias is the
+      same on every rank, and so is the range. It is fixed by the first ``add`` after a reset (or by
+      ``solve``'s bias when this rank added nothing). Explicit ``lo``/``hi`` give a fixed range:
+      [-1, 1) has 1.1-1.3x finer bins on k3_tiny's routers (tools/qb_deviation.py: no margin
+      outside it there), but a quantile beyond it (|b| near 1 or more) lands in the edge bin.
+      ``solve`` does not synchronise with the host.
     """
 
     def __init__(self, num_experts: int, top_k: int, method: str = "exact", bins: int = 4096,
-                 lo: float = -1.0, hi: float = 1.0):
+                 lo: Optional[float] = None, hi: Optional[float] = None, device=None):
         if method not in ("exact", "histogram"):
-            raise ValueError(f"QBAccumulator: method={method!r}: choose 'exact' or 'histogram' (model.moe.qb_method)")
+            hint = (" ('auto' is resolved by resolve_qb_method(method, tokens_per_step, num_experts) first)"
+                    if method == "auto" else "")
+            raise ValueError(f"QBAccumulator: method={method!r}: choose 'exact' or 'histogram' "
+                             f"(model.moe.qb_method){hint}")
         if not 1 <= top_k < num_experts:
             raise ValueError(f"QBAccumulator: top_k={top_k} must lie in [1, num_experts={num_experts})")
-        if bins < 1 or not hi > lo:
+        if (lo is None) != (hi is None):
+            raise ValueError(f"QBAccumulator: give both lo and hi (a fixed range) or neither (the range "
+                             f"follows the bias), got lo={lo}, hi={hi}")
+        if bins < 1 or (lo is not None and not hi > lo):
             raise ValueError(f"QBAccumulator: need bins >= 1 and hi > lo, got bins={bins}, lo={lo}, hi={hi}")
         self.num_experts, self.top_k, self.method = num_experts, top_k, method
-        self.bins, self.lo, self.hi = int(bins), float(lo), float(hi)
-        self.bin_width = (self.hi - self.lo) / self.bins
+        self.bins = int(bins)
+        self.fixed_range = lo is not None
+        self.lo = float(lo) if self.fixed_range else None
+        self.hi = float(hi) if self.fixed_range else None
+        self.bin_width = (self.hi - self.lo) / self.bins if self.fixed_range else None
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
         self.reset()
 
+    @property
+    def device(self) -> torch.device:
+        """Where the state lives (and every tensor reduce_balancer communicates)."""
+        return self._device
+
     def reset(self) -> None:
-        """Forget everything added so far (call after each ``solve``)."""
+        """Forget everything added so far (call after each ``solve``); the state stays on ``device``."""
         self._margins: list[torch.Tensor] = []
-        device = self.counts.device if hasattr(self, "counts") else "cpu"
         self.counts = torch.zeros(self.num_experts, self.bins if self.method == "histogram" else 0,
-                                  dtype=torch.int64, device=device)
-        self.token_count = torch.zeros(1, dtype=torch.int64, device=device)
+                                  dtype=torch.int64, device=self._device)
+        self.token_count = torch.zeros(1, dtype=torch.int64, device=self._device)
+        self._host_tokens: Optional[int] = 0   # token_count on the host while known without a sync
+        if not self.fixed_range:
+            self.lo = self.hi = self.bin_width = None
+
+    def _to(self, device: torch.device) -> None:
+        if device != self._device:
+            self._device = device
+            self.counts = self.counts.to(device)
+            self.token_count = self.token_count.to(device)
+            self._margins = [m.to(device) for m in self._margins]
+            if not self.fixed_range and torch.is_tensor(self.lo):
+                self.lo, self.hi, self.bin_width = (t.to(device) for t in (self.lo, self.hi, self.bin_width))
+
+    def _set_range(self, bias_E: torch.Tensor) -> None:
+        """Bias-following range [-1 - max b, 1 - min b) as 0-dim fp32 tensors on ``device`` (no sync)."""
+        b = bias_E.detach().to(device=self._device, dtype=torch.float32)
+        self.lo, self.hi = -1.0 - b.max(), 1.0 - b.min()
+        self.bin_width = (self.hi - self.lo) / self.bins
 
     @property
     def num_tokens(self) -> int:
-        """Tokens added since the last reset (summed over ranks once ``state_tensors`` are all-reduced)."""
-        return int(self.token_count.item())
+        """Tokens added since the last reset (summed over ranks once reduced). A host sync only after
+        the histogram state was handed out by ``state_tensors`` (its count may have been summed)."""
+        if self._host_tokens is None:
+            self._host_tokens = int(self.token_count.item())
+        return self._host_tokens
+
+    def set_token_count(self, total: int) -> None:
+        """After merging exact margins across ranks: the step's total token count (known on the host)."""
+        self._host_tokens = int(total)
+        self.token_count = torch.full((1,), int(total), dtype=torch.int64, device=self._device)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Tensors to all-reduce (SUM) in place across data-parallel ranks before ``solve`` (histogram only)."""
         if self.method != "histogram":
             raise ValueError("QBAccumulator.state_tensors: method='exact' keeps per-token margins that cannot be "
-                             "all-reduced; use method='histogram' (model.moe.qb_method=histogram) across ranks")
+                             "all-reduced (parallel.moe_stats.reduce_balancer all-gathers them); use "
+                             "method='histogram' (model.moe.qb_method=histogram) for a fixed-size state")
+        self._host_tokens = None  # the caller may sum token_count in place
         return [self.counts, self.token_count]
 
     @torch.no_grad()
@@ -158,48 +233,74 @@ class QBAccumulator:
         """Record one micro-batch: scores_TE [T, E] (fp32 router scores), bias_E [E] used to route it."""
         if scores_TE.dim() != 2 or scores_TE.shape[1] != self.num_experts:
             raise ValueError(f"QBAccumulator.add: scores must be [T, {self.num_experts}], got {tuple(scores_TE.shape)}")
-        if self.counts.device != scores_TE.device:
-            self.counts = self.counts.to(scores_TE.device)
-            self.token_count = self.token_count.to(scores_TE.device)
-        self.token_count += scores_TE.shape[0]
-        if scores_TE.shape[0] == 0:
+        self._to(scores_TE.device)
+        T = scores_TE.shape[0]
+        self.token_count += T
+        if self._host_tokens is not None:
+            self._host_tokens += T
+        if self.method == "histogram" and self.lo is None:
+            self._set_range(bias_E)
+        if T == 0:
             return
         margin_TE = token_margins(scores_TE.detach(), bias_E.detach(), self.top_k).float()
         if self.method == "exact":
             self._margins.append(margin_TE)
             return
         bin_TE = ((margin_TE - self.lo) / self.bin_width).floor().clamp_(0, self.bins - 1).long()
-        flat = bin_TE + torch.arange(self.num_experts, device=bin_TE.device) * self.bins
-        self.counts.view(-1).add_(torch.bincount(flat.view(-1), minlength=self.num_experts * self.bins))
+        flat = (bin_TE + torch.arange(self.num_experts, device=bin_TE.device) * self.bins).view(-1)
+        # scatter_add_, not bincount: CUDA bincount reads the maximum back to the host
+        one = torch.ones((), dtype=torch.int64, device=flat.device)
+        self.counts.view(-1).scatter_add_(0, flat, one.expand_as(flat))
+
+    def margins(self) -> torch.Tensor:
+        """Every recorded margin [tokens, E] fp32 (method='exact'), one tensor."""
+        if not self._margins:
+            return torch.zeros(0, self.num_experts, device=self._device)
+        if len(self._margins) > 1:
+            self._margins = [torch.cat(self._margins)]
+        return self._margins[0]
 
     @torch.no_grad()
     def cutoffs(self) -> torch.Tensor:
-        """Per-expert (q+1)-th largest margin [E] fp32 over everything added (= -b^ before centring)."""
-        m = self.num_tokens
-        assert m > 0, "cutoffs() needs at least one token"
-        rank = _target_rank(m, self.num_experts, self.top_k)
+        """Per-expert (q+1)-th largest margin [E] fp32 over everything added (= -b^ before centring).
+
+        Histogram: computed on the device (the rank q+1 from ``token_count``, no host sync); with no
+        tokens the result is meaningless (``solve`` returns the old bias then)."""
         if self.method == "exact":
-            return torch.cat(self._margins).topk(rank, dim=0).values[-1]
+            m = self.num_tokens
+            assert m > 0, "cutoffs() needs at least one token"
+            return self.margins().topk(_target_rank(m, self.num_experts, self.top_k), dim=0).values[-1]
+        assert self.lo is not None, "cutoffs(): no range yet (nothing added; solve(bias) sets it from the bias)"
+        m = self.token_count                                            # [1] int64, on the device
+        rank = ((m * self.top_k) // self.num_experts + 1).clamp_min(1).minimum(m.clamp_min(1))
         counts_EB = self.counts
         above_EB = counts_EB.flip(-1).cumsum(-1).flip(-1)          # tokens in this bin or higher
         # above_EB is non-increasing along bins, so the last bin whose count-from-top reaches the
-        # target rank is (number of such bins) - 1; above_EB[:, 0] == m >= rank keeps it >= 0.
-        bin_E = (above_EB >= rank).sum(-1) - 1
+        # target rank is (number of such bins) - 1; above_EB[:, 0] == m >= rank keeps it >= 0
+        # (clamped for an empty accumulator, whose result solve discards)
+        bin_E = ((above_EB >= rank).sum(-1) - 1).clamp_min(0)
         in_bin_E = counts_EB.gather(1, bin_E[:, None]).squeeze(1)
         higher_E = above_EB.gather(1, bin_E[:, None]).squeeze(1) - in_bin_E
         r_E = (rank - higher_E).float()                              # 1..in_bin: rank inside the bin, from its top
         top_edge_E = self.lo + (bin_E + 1).float() * self.bin_width
         # spread the bin's values evenly: the r-th from the top sits at (r - 0.5)/count of the bin
-        return top_edge_E - (r_E - 0.5) / in_bin_E.float() * self.bin_width
+        return top_edge_E - (r_E - 0.5) / in_bin_E.clamp_min(1).float() * self.bin_width
 
     @torch.no_grad()
     def solve(self, bias_E: torch.Tensor) -> torch.Tensor:
         """New mean-centred fp32 bias [E] from everything added (Eq.14); ``bias_E`` unchanged if empty.
 
         Eq.14's b^ depends on the old bias only through the margins recorded by ``add``; ``bias_E``
-        supplies the fallback and the device.
+        supplies the fallback and the device (and the histogram range when this rank added nothing).
         """
-        if self.num_tokens == 0:
-            return bias_E.detach().float().clone()
+        old_E = bias_E.detach().float()
+        if self.method == "exact":
+            if self.num_tokens == 0:
+                return old_E.clone()
+            b_hat_E = -self.cutoffs()
+            return (b_hat_E - b_hat_E.mean()).to(bias_E.device)
+        self._to(bias_E.device)
+        if self.lo is None:
+            self._set_range(bias_E)
         b_hat_E = -self.cutoffs()
-        return (b_hat_E - b_hat_E.mean()).to(bias_E.device)
+        return torch.where(self.token_count > 0, b_hat_E - b_hat_E.mean(), old_E)

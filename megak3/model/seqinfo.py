@@ -39,11 +39,11 @@ def make_seq_info(batch: int, seqlen: int, cu_seqlens: Optional[torch.Tensor],
         raise ValueError(f"cu_seqlens must start at 0 and end at B*T={total}; got {cu.tolist()[:8]}...")
     if bool((cu[1:] < cu[:-1]).any()):
         raise ValueError("cu_seqlens must be non-decreasing")
-    rows = torch.arange(0, total + 1, seqlen, dtype=torch.int64)
+    rows = torch.arange(0, total + 1, seqlen, dtype=torch.int64, device="cpu")  # host index math
     cu = torch.unique(torch.cat([cu, rows]))  # sorted; merges row ends, drops empty documents
     lengths = cu[1:] - cu[:-1]
-    doc_ids = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    doc_ids = torch.repeat_interleave(torch.arange(lengths.numel(), device="cpu"), lengths)
     starts = torch.repeat_interleave(cu[:-1], lengths)
-    pos = torch.arange(total) - starts
+    pos = torch.arange(total, device="cpu") - starts
     return SeqInfo(batch, seqlen, cu.to(torch.int32).to(device), doc_ids.view(batch, seqlen).to(device),
                    pos.view(batch, seqlen).to(device))

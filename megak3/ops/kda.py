@@ -479,23 +479,23 @@ def _chunk_layout(offsets, B: int, T: int, H: int, C: int, device):
     """
     if offsets is None:
         M = -(-T // C)
-        src_P = torch.arange(M * C)
+        src_P = torch.arange(M * C, device="cpu")
         src_P[T:] = -1
-        dst_T = torch.arange(T)
+        dst_T = torch.arange(T, device="cpu")
         first, last = [0], [M - 1]
     else:
         src, first, last, base = [], [], [], 0
-        dst_T = torch.empty(T, dtype=torch.long)
+        dst_T = torch.empty(T, dtype=torch.long, device="cpu")
         for s, e in zip(offsets, offsets[1:]):
             n_chunks = -(-(e - s) // C)
-            src.append(torch.cat([torch.arange(s, e), torch.full((n_chunks * C - (e - s),), -1)]))
-            dst_T[s:e] = torch.arange(base, base + e - s)
+            src.append(torch.cat([torch.arange(s, e, device="cpu"), torch.full((n_chunks * C - (e - s),), -1, device="cpu")]))
+            dst_T[s:e] = torch.arange(base, base + e - s, device="cpu")
             first.append(base // C if n_chunks else None)
             last.append(base // C + n_chunks - 1 if n_chunks else None)
             base += n_chunks * C
         src_P = torch.cat(src)
         M = base // C
-    b_B, h_H = torch.arange(B), torch.arange(H)
+    b_B, h_H = torch.arange(B, device="cpu"), torch.arange(H, device="cpu")
     t_MC = src_P.view(M, C)
     rows_MBHC = (b_B[None, :, None, None] * T + t_MC[:, None, None, :]) * H + h_H[None, None, :, None]
     gather = torch.where(t_MC[:, None, None, :] >= 0, rows_MBHC, B * T * H)

@@ -34,7 +34,7 @@ from ..data.packing import Batcher, PackedDataset
 from ..data.tokenizer import load_tokenizer
 from ..metrics.logger import TrainLogger
 from ..metrics.telemetry import GPUTelemetry, Throughput, peak_memory_mb
-from ..model.balancing import QBAccumulator, max_violation
+from ..model.balancing import QBAccumulator, max_violation, resolve_qb_method
 from ..model.k3 import K3Model, build_model
 from ..optim import lr_at, set_lr
 from ..quant import apply_quantization
@@ -113,7 +113,8 @@ class Trainer:
         self.model.gradient_checkpointing = t.activation_checkpointing
         self.optimizer = build_sharded_optimizer(self.model, job.optim, self.plan)
         mcfg = job.model.moe
-        self.balancers = [QBAccumulator(mcfg.num_experts, mcfg.top_k, self._qb_method(), mcfg.qb_bins)
+        self.balancers = [QBAccumulator(mcfg.num_experts, mcfg.top_k, self._qb_method(), mcfg.qb_bins,
+                                        device=self.device)
                           for _ in self.model.moe_layers()] if mcfg.balancing == "quantile" else []
         self.token_groups = self.plan.token_groups
         self.checkpointer = ckpt_store.ShardedCheckpointer(self.ckpt_dir, ps.rank, ps.world_size,
@@ -123,13 +124,9 @@ class Trainer:
         self._pending: list[dict] = []  # per-step device metrics not yet reduced and logged
 
     def _qb_method(self) -> str:
-        m = self.job.model.moe.qb_method
-        try:
-            from ..model.balancing import resolve_qb_method
-        except ImportError:
-            return "exact" if m == "auto" else m
-        return resolve_qb_method(m, self.job.train.global_batch_size * self.job.data.seq_len,
-                                 self.job.model.moe.num_experts)
+        j = self.job
+        return resolve_qb_method(j.model.moe.qb_method, j.train.global_batch_size * j.data.seq_len,
+                                 j.model.moe.num_experts)
 
     def _resolve_data(self):
         # rank 0 builds the demo dataset once; the others wait and then open the cached copy

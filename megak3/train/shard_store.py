@@ -243,8 +243,9 @@ class ShardedCheckpointer:
 
         Before anything is written it waits for the previous save (re-raising its error), checks the
         entries (shapes inside the global shape, no NaN/inf in floating tensors: CheckpointError
-        ``"checkpoint step N: KEY holds non-finite values; not saved"``), pickles ``objects`` and
-        ``common`` and validates ``meta``.
+        ``"checkpoint step N: KEY holds non-finite values; not saved"`` -- raised here in sync mode,
+        by :meth:`wait` in async mode, where the writer checks the host copies before writing),
+        pickles ``objects`` and ``common`` and validates ``meta``.
 
         Sync mode: returns after this rank's files are durable and, on rank 0, after the commit
         (rank 0 polls for every rank's marker; no collective is used, so a caller that needs every
@@ -257,6 +258,8 @@ class ShardedCheckpointer:
         t0 = time.perf_counter()
         step = _check_step(step)
         layout = self._check_entries(step, entries)
+        if not self.async_save:  # async: the writer thread checks the host copies before writing
+            self._check_finite(step, {k: e.tensor for k, e in entries.items()})
         objects_bytes = None
         if objects:
             buf = io.BytesIO()
@@ -308,14 +311,18 @@ class ShardedCheckpointer:
                 raise ValueError(f"checkpoint entry {key!r}: box offsets={offs} shape={shape} does not lie "
                                  f"inside global_shape={gshape}")
             layout[key] = (gshape, offs, shape, _dtype_name(e.tensor.dtype))
-        for key in layout:
-            t = entries[key].tensor.detach()
+        return layout
+
+    @staticmethod
+    def _check_finite(step: int, tensors: dict) -> None:
+        """CheckpointError naming the first floating tensor that holds a NaN/inf (key -> tensor)."""
+        for key in sorted(tensors):
+            t = tensors[key].detach()
             if (t.is_floating_point() or t.is_complex()) and t.numel():
                 for block in t.reshape(-1).split(1 << 24):
                     if not bool(torch.isfinite(block).all()):
                         raise CheckpointError(f"checkpoint step {step}: {key} holds non-finite values; "
                                               "not saved")
-        return layout
 
     @staticmethod
     def _host_copies(entries: dict, copy: bool) -> dict:
@@ -346,6 +353,8 @@ class ShardedCheckpointer:
         if self._before_write is not None:
             self._before_write()
         t0 = time.perf_counter()
+        if self.async_save:
+            self._check_finite(snap.step, snap.tensors)
         staging = self.root / _staging_name(snap.step)
         if self.rank == 0:
             ckpt._remove_stale(self.root, keep=(staging.name,))

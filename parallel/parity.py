@@ -1,8 +1,12 @@
-"""Layout parity: run K3 steps under a (tp, sp, dp) layout and return canonical, unsharded results.
+"""Layout parity: run the PRODUCTION step under a (tp, sp, dp) layout and return canonical results.
 
 The same routine runs in one process (tp = dp = 1: the reference) and on N ranks through
-:func:`parallel.testing.run_distributed`; tests compare the two. Gradients are gathered back to
-full tensors under their single-process names, so a test can compare every parameter.
+:func:`parallel.testing.run_distributed`; tests compare the two. Each rank builds its model the way
+the trainer does (:class:`megak3.train.step.RankStep`: meta device, ``parallelize``, shard-local
+``materialize``, ZeRO-1 optimizer from the plan) and runs ``RankStep.accumulate`` / ``apply`` on
+deterministic batches; there is no second training loop here. Step-0 gradients are taken after
+backward (and the TP partial sums), summed over DP and gathered over TP back to full tensors under
+their single-process names, so a test can compare every parameter.
 
 Loss contract: the loss of a step is the token mean over the GLOBAL batch, so each data-parallel
 rank backpropagates ``loss_sum_local / global_tokens`` and gradients are SUMMED over DP.
@@ -15,10 +19,8 @@ import torch
 import torch.distributed as dist
 
 from megak3.config import load_model_config
-from megak3.model.k3 import build_model
-from megak3.optim import OptimConfig, build_optimizer, lr_at, set_lr
 
-from .parallelize import TPPlan, canonical_name, parallelize_tp, sync_partial_grads
+from .plan import canonical_name
 
 
 PARITY_MODEL = {
@@ -81,80 +83,62 @@ def full_tensor(t: torch.Tensor, dim: Optional[int], group) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def grad_norm(model, plan: TPPlan, tp_group) -> torch.Tensor:
-    """Global L2 norm: TP shards summed over the TP group, replicated params counted once."""
-    sharded = torch.zeros((), dtype=torch.float64)
-    replicated = torch.zeros((), dtype=torch.float64)
-    for n, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        sq = p.grad.double().pow(2).sum()
-        if plan.shard_dim.get(canonical_name(n)) is None:
-            replicated += sq
-        else:
-            sharded += sq
-    if tp_group is not None and plan.tp_size > 1:
-        dist.all_reduce(sharded, group=tp_group)
-    return (sharded + replicated).sqrt()
+def parity_job(tp: int, dp: int, sp: bool, overrides: Dict, batch: int, seqlen: int, seed: int, lr: float,
+               steps: int):
+    """The JobConfig of a parity run: fp32, constant LR, clip 1.0, fp32 Newton-Schulz."""
+    from megak3.data.config import DataConfig
+    from megak3.optim import OptimConfig
+    from megak3.train.config import JobConfig, TrainConfig
+
+    from .config import ParallelConfig
+
+    return JobConfig(
+        model=load_model_config("k3_tiny", **overrides),
+        data=DataConfig(seq_len=seqlen),
+        optim=OptimConfig(lr=lr, warmup_steps=0, grad_clip=1.0, schedule="constant", ns_dtype="float32"),
+        train=TrainConfig(max_steps=steps, global_batch_size=batch, micro_batch_size=batch // dp, seed=seed,
+                          device="cpu", precision="fp32"),
+        parallel=ParallelConfig(tp=tp, dp=dp, sequence_parallel=sp, backend="gloo"))
 
 
 def run_steps(rank: int, world: int, tp: int, dp: int, sp: bool, steps: int, overrides: Dict,
               batch: int = 4, seqlen: int = 32, seed: int = 5, lr: float = 1e-3,
               break_collective: bool = False) -> Optional[dict]:
-    """Train ``steps`` steps; returns {'losses', 'grads' (step 0, full), 'grad_norms'} on rank 0.
+    """Train ``steps`` production steps; returns {'losses', 'grads' (step 0, full), 'grad_norms'} on rank 0.
 
     Why lr = 1e-3: layouts differ from one process by fp32 rounding (~1e-7 relative in the
     gradients). Early AdamW steps are ~lr*sign(g), so that noise grows with lr, and once it moves a
     router score past a top-k tie the routing of one token flips and the loss jumps (observed:
     ~6e-4 by step 5 at lr = 3e-3, ~1.5e-6 at lr = 1e-3). The trajectory test checks the layout,
     not how chaotic top-k routing is."""
-    distributed = world > 1
-    tp_group = dp_group = None
-    if distributed:
-        tp_group, dp_group = make_groups(tp, dp)
-    cfg = load_model_config("k3_tiny", **overrides)
-    model = build_model(cfg, seed=seed)
-    plan = parallelize_tp(model, tp_group, sequence_parallel=sp)
+    from megak3.train.step import RankStep, all_reduce_sum
+
+    from .state import ParallelState, init_parallel
+
+    job = parity_job(tp, dp, sp, overrides, batch, seqlen, seed, lr, steps)
+    ps = init_parallel(job.parallel, model_cfg=job.model) if world > 1 else ParallelState.single()
+    rs = RankStep(job, ps, "cpu", grad_accum=1)
     if break_collective:  # used by a test to prove the parity check can fail
-        plan.partial_grad = []
-    ocfg = OptimConfig(lr=lr, warmup_steps=0, grad_clip=1.0, schedule="constant", ns_dtype="float32")
-    opt = build_optimizer(model, ocfg)
-    if opt.muon is not None and plan.tp_size > 1:
-        heads_of = {id(p): h for g in opt.muon.param_groups for p, h in zip(g["params"], g["heads"])}
-        for n, p in model.named_parameters():
-            dim = plan.shard_dim.get(canonical_name(n))
-            if dim is not None and id(p) in heads_of and heads_of[id(p)] is None:
-                opt.muon.set_tp_shard(p, dim, tp_group)
-    dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+        rs.plan.partial_grad = []
+    dims = rs.plan.tp_shard_dim
     losses: List[float] = []
     norms: List[float] = []
     grads0 = None
     for step in range(steps):
-        ids, labels, _ = global_batch(step, batch, seqlen, cfg.vocab_size)
-        global_tokens = int((labels != -100).sum())
-        ids, labels, cu = local_rows(ids, labels, dp_rank, dp)
-        out = model(ids, labels=labels, cu_seqlens=cu)
-        (out.loss_sum / global_tokens).backward()
-        sync_partial_grads(model, plan, tp_group)
-        loss_sum = out.loss_sum.detach().clone()
-        if dp_group is not None and dp > 1:
-            for p in model.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=dp_group)
-            dist.all_reduce(loss_sum, group=dp_group)
-        losses.append(float(loss_sum) / global_tokens)
+        ids, labels, _ = global_batch(step, batch, seqlen, job.model.vocab_size)
+        ids, labels, cu = local_rows(ids, labels, ps.dp_rank, dp)
+        rec = rs.accumulate([{"input_ids": ids, "labels": labels, "cu_seqlens": cu}])
         if step == 0:
-            grads0 = {canonical_name(n): full_tensor(p.grad, plan.shard_dim.get(canonical_name(n)), tp_group)
-                      for n, p in model.named_parameters() if p.grad is not None}
-        norm = grad_norm(model, plan, tp_group)
-        norms.append(float(norm))
-        clip = min(1.0, 1.0 / (float(norm) + 1e-6))
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(clip)
-        set_lr(opt, lr_at(step, ocfg, steps))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    if distributed and dist.get_rank() != 0:
+            grads0 = {}
+            for n, p in rs.model.named_parameters():
+                if p.grad is None:
+                    continue
+                g = all_reduce_sum(p.grad.detach().clone(), [ps.dp_group])
+                grads0[canonical_name(n)] = full_tensor(g, dims.get(canonical_name(n)), ps.tp_group)
+        out = rs.apply(step, steps)
+        loss_sum = all_reduce_sum(rec["loss_sum"].clone(), [ps.dp_group])
+        losses.append(float(loss_sum) / float(rec["step_tokens"]))
+        norms.append(float(out["grad_norm"]))
+    if world > 1 and dist.get_rank() != 0:
         return None
     return {"losses": losses, "grads": grads0, "grad_norms": norms}

@@ -1,46 +1,42 @@
-"""The pretraining loop: packed data -> K3 -> Muon/AdamW, Quantile Balancing, eval, checkpoints.
+"""The pretraining loop of one rank, each stage a call into the module that owns it:
 
-One optimizer step = ``global_batch_size / (micro_batch_size x dp)`` micro-batches per rank. The loss of a step is the token-weighted
-mean over all its micro-batches (each micro-batch backpropagates ``loss_sum / step_tokens``), so
-the gradient does not depend on how the batch is split. Quantile-Balancing biases are updated once
-per optimizer step from the router scores of every micro-batch of that step.
+    data       megak3/data (packed documents, this data-parallel rank's rows)
+    model      megak3/train/step.RankStep: built on the meta device, parallel.parallelize ->
+               ParallelPlan, parallel.materialize (only this rank's shards), optimizer from the plan
+    step       RankStep.accumulate / RankStep.apply (the production step; parity tests run it too)
+    metrics    device tensors per step, reduced once per logging window (flush_metrics)
+    checkpoint megak3/train/shard_store (per-shard, any layout reads its own boxes)
+
+One optimizer step = ``global_batch_size / (micro_batch_size x dp)`` micro-batches per rank; the
+loss of a step is the token-weighted mean over all of them, so the gradient does not depend on how
+the batch is split. Quantile-Balancing biases are updated once per optimizer step.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from pathlib import Path
 from typing import Optional
 
 import torch
-
 import torch.distributed as dist
 
-from moonep.stats import LoadRecorder
 from parallel.config import check_expert_tp
-from parallel.data_parallel import CANONICAL_FORMAT, build_sharded_optimizer, load_consolidated_state
-from parallel.materialize import materialize
-from parallel.moe_stats import reduce_balancer
-from parallel.parallelize import parallelize, sync_partial_grads
-from parallel.pipeline import PipelineEngine
-from parallel.pipeline.schedules import check_schedule
+from parallel.data_parallel import CANONICAL_FORMAT, load_consolidated_state
 from parallel.plan import ParallelPlan, canonical_name
 from parallel.state import ParallelState
 
 from ..data.config import resolve_dataset
-from ..launch.preemption import Preempted, PreemptionHandler
 from ..data.indexed import IndexedDataset
 from ..data.packing import Batcher, PackedDataset
 from ..data.tokenizer import load_tokenizer
+from ..launch.preemption import Preempted, PreemptionHandler
 from ..metrics.logger import TrainLogger
 from ..metrics.telemetry import GPUTelemetry, Throughput, peak_memory_mb
-from ..model.balancing import QBAccumulator, max_violation, resolve_qb_method
-from ..model.k3 import K3Model, build_model
-from ..optim import lr_at, set_lr
-from ..quant import apply_quantization
-from ..quant.te import fp8_autocast_context
+from ..model.balancing import max_violation
+from ..model.k3 import K3Model
 from . import checkpoint as ckpt
 from . import shard_store as ckpt_store
+from .step import RankStep, all_reduce_sum
 from .config import JobConfig
 
 
@@ -97,36 +93,19 @@ class Trainer:
         self.dataset_prefix = prefix
 
         torch.manual_seed(t.seed)
-        # the model: built on the meta device, parallelized (one plan), then only this rank's
-        # shards are allocated and initialised (bitwise the same box of the single-process init)
-        self.model: K3Model = build_model(job.model, device="meta")
-        self.plan: ParallelPlan = parallelize(self.model, ps, par, job.moonep)
-        materialize(self.model, self.plan, t.seed, job.model.init_std, self.device)
-        self.load_recorder = self.plan.load_recorder or LoadRecorder()
-        self.engine = None
-        if ps.pp_size > 1:
-            check_schedule(par.pp_schedule, ps.pp_size, par.vp, self.grad_accum)
-            self.engine = PipelineEngine(self.model, self.plan.stage_chunks, ps.pp_group, par.pp_schedule,
-                                         seq_shard=ps.tp_size if self.sequence_parallel else 1,
-                                         timeout_s=par.timeout_s)
-        apply_quantization(self.model, job.quant)  # QAT hooks sit where the expert weights live
-        self.model.gradient_checkpointing = t.activation_checkpointing
-        self.optimizer = build_sharded_optimizer(self.model, job.optim, self.plan)
-        mcfg = job.model.moe
-        self.balancers = [QBAccumulator(mcfg.num_experts, mcfg.top_k, self._qb_method(), mcfg.qb_bins,
-                                        device=self.device)
-                          for _ in self.model.moe_layers()] if mcfg.balancing == "quantile" else []
-        self.token_groups = self.plan.token_groups
+        # the model: built on the meta device, parallelized (one plan), only this rank's shards
+        # materialised; optimizer, pipeline engine and QB accumulators wired from the plan
+        self.rank_step = RankStep(job, ps, self.device, self.grad_accum)
+        rs = self.rank_step
+        self.model: K3Model = rs.model
+        self.plan: ParallelPlan = rs.plan
+        self.engine, self.optimizer, self.balancers = rs.engine, rs.optimizer, rs.balancers
+        self.load_recorder = rs.load_recorder
         self.checkpointer = ckpt_store.ShardedCheckpointer(self.ckpt_dir, ps.rank, ps.world_size,
                                                            keep_last=t.keep_last, async_save=t.async_save)
         self.step = 0
         self.history: list[dict] = []
         self._pending: list[dict] = []  # per-step device metrics not yet reduced and logged
-
-    def _qb_method(self) -> str:
-        j = self.job
-        return resolve_qb_method(j.model.moe.qb_method, j.train.global_batch_size * j.data.seq_len,
-                                 j.model.moe.num_experts)
 
     def _resolve_data(self):
         # rank 0 builds the demo dataset once; the others wait and then open the cached copy
@@ -137,13 +116,6 @@ class Trainer:
         if self.ps.world_size > 1:
             dist.barrier()
         return out
-
-    def _all_reduce(self, t: torch.Tensor, groups) -> torch.Tensor:
-        """Sum the device tensor ``t`` in place over each group (one collective per group)."""
-        for g in groups:
-            if g is not None:
-                dist.all_reduce(t, group=g)
-        return t
 
     # ---- state -------------------------------------------------------------------------------
     # A checkpoint is per shard (megak3/train/shard_store.py): every rank writes the boxes it is the
@@ -266,82 +238,19 @@ class Trainer:
         self.load(path)
         return path
 
-    # ---- one optimizer step ------------------------------------------------------------------
-    def _autocast(self):
-        stack = contextlib.ExitStack()
-        if self.job.train.precision == "bf16":
-            stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
-        stack.enter_context(fp8_autocast_context(self.job.quant))
-        return stack
-
-    def _to_device(self, batch: dict) -> dict:
-        return {k: (v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
-
+    # ---- one optimizer step (megak3/train/step.py) ----------------------------------------------
     def next_micro_batches(self) -> list:
         return [next(self.train_data) for _ in range(self.grad_accum)]
 
     def accumulate_gradients(self, micro: list) -> dict:
-        """Forward/backward over one step's micro-batches (host tensors, moved here); feeds the QB
-        accumulators. Returns this rank's step record of DEVICE tensors (no host sync):
-        ``loss_sum`` (labelled-token loss summed over its micro-batches), ``loads`` [layers, E] or
-        None, ``tokens`` (an int: input tokens of the step over the data-parallel group).
-
-        Each micro-batch backpropagates its share of the GLOBAL token mean (tokens summed over the
-        data-parallel group: one all-reduce of a device scalar), so gradients are summed, never
-        averaged, across micro-batches and ranks."""
-        model, ps = self.model, self.ps
-        model.train()
-        local_tokens = sum(int((b["labels"] != -100).sum()) for b in micro)  # host batches: no sync
-        step_tokens = self._all_reduce(torch.tensor([float(local_tokens)], dtype=torch.float64, device=self.device),
-                                       [ps.dp_group])
-        denom = step_tokens.clamp_min(1.0)
-        micro = [self._to_device(b) for b in micro]
-        loads = None
-        biases = [m.gate.e_score_correction_bias for m in model.moe_layers()]
-        if self.engine is not None:  # the pipeline schedule runs every micro-batch's forward/backward
-            with self._autocast():
-                loss, stats_per_mb = self.engine.train_step(micro, denom[0])
-            loss_sum = torch.as_tensor(loss, dtype=torch.float64, device=self.device)
-        else:
-            stats_per_mb, loss_sum = [], torch.zeros((), dtype=torch.float64, device=self.device)
-            for b in micro:
-                with self._autocast():
-                    out = model(b["input_ids"], labels=b["labels"], cu_seqlens=b.get("cu_seqlens"))
-                (out.loss_sum / denom[0].to(out.loss_sum.dtype)).backward()
-                loss_sum = loss_sum + out.loss_sum.detach().double()
-                stats_per_mb.append(out.moe_stats)
-        for moe_stats in stats_per_mb:
-            if moe_stats:
-                counts = torch.stack([st.tokens_per_expert_E.float() for st in moe_stats])
-                loads = counts if loads is None else loads + counts
-                if ps.ep_size == 1:  # under EP the dispatchers record (with the plan)
-                    for i, st in enumerate(moe_stats):
-                        self.load_recorder.record(i, st.tokens_per_expert_E.view(1, -1))
-            for acc, st, bias in zip(self.balancers, moe_stats, biases):
-                acc.add(st.scores_TE, bias)
-        sync_partial_grads(model, self.plan, ps.tp_group)
-        tokens = sum(b["input_ids"].numel() for b in micro) * ps.dp_size
-        return {"loss_sum": loss_sum, "step_tokens": step_tokens, "loads": loads, "tokens": tokens}
+        """Forward/backward of one step's micro-batches: :meth:`RankStep.accumulate`."""
+        return self.rank_step.accumulate(micro)
 
     def optimizer_step(self) -> dict:
-        """Reduce over DP, clip by the global norm, Muon/AdamW step, then the Quantile-Balancing update."""
-        job, opt = self.job, self.optimizer
-        opt.reduce_gradients()
-        clip = job.optim.grad_clip
-        gnorm = opt.clip_grad_norm_(clip if clip > 0 else float("inf"))
-        lr = lr_at(self.step, job.optim, job.train.max_steps)
-        set_lr(opt, lr)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        with torch.no_grad():  # new selection biases for the next step, identical on every rank
-            for acc, m in zip(self.balancers, self.model.moe_layers()):
-                for g in self.token_groups:
-                    reduce_balancer(acc, g)
-                bias = m.gate.e_score_correction_bias
-                bias.copy_(acc.solve(bias))
-                acc.reset()
+        """ZeRO-1 reduce, clip, Muon/AdamW, QB update: :meth:`RankStep.apply`; advances the step."""
+        out = self.rank_step.apply(self.step, self.job.train.max_steps)
         self.step += 1
-        return {"lr": lr, "grad_norm": gnorm}
+        return out
 
     def flush_metrics(self) -> list[dict]:
         """Reduce every pending step's logging scalars together and return one record per step.
@@ -356,16 +265,16 @@ class Trainer:
         n = len(pend)
         vec = torch.stack([torch.stack([p["loss_sum"].reshape(()), p["step_tokens"].reshape(())]) for p in pend])
         if ps.dp_group is not None:  # loss sums of this rank's micro-batches, summed over dp
-            vec[:, 0] = self._all_reduce(vec[:, 0].contiguous(), [ps.dp_group])
+            vec[:, 0] = all_reduce_sum(vec[:, 0].contiguous(), [ps.dp_group])
         loads = [p["loads"] for p in pend]
         mv = torch.zeros(n, 2, dtype=torch.float64, device=self.device)
         if loads[0] is not None:
-            L = self._all_reduce(torch.stack(loads), self.token_groups)  # [steps, layers, E]
+            L = all_reduce_sum(torch.stack(loads), self.plan.token_groups)  # [steps, layers, E]
             per_layer = torch.stack([torch.stack([max_violation(l) for l in step]) for step in L])
             mv[:, 0] = per_layer.double().sum(-1)
             mv[:, 1] = L.shape[1]
         if ps.pp_size > 1:  # every stage reports the mean over the model's MoE layers
-            self._all_reduce(mv, [ps.pp_group])
+            all_reduce_sum(mv, [ps.pp_group])
         gn = torch.stack([torch.as_tensor(p["grad_norm"], dtype=torch.float64, device=self.device).reshape(())
                           for p in pend])
         host = torch.cat([vec, mv, gn[:, None]], dim=1).tolist()  # the one host sync of the window
@@ -408,8 +317,8 @@ class Trainer:
                                self.ps.dp_size))
         acc = torch.zeros(2, dtype=torch.float64, device=self.device)
         for _ in range(max(1, self.job.train.eval_batches)):
-            b = self._to_device(next(batches))
-            with self._autocast():
+            b = self.rank_step.to_device(next(batches))
+            with self.rank_step.autocast():
                 if self.engine is not None:
                     ls, nt = self.engine.forward_only([b])
                     acc += torch.tensor([ls, nt], dtype=torch.float64, device=self.device)
@@ -418,7 +327,7 @@ class Trainer:
             acc[0] += out.loss_sum.detach().double()
             acc[1] += out.num_tokens
         self.model.train()
-        total, n = self._all_reduce(acc, [self.ps.dp_group]).tolist()
+        total, n = all_reduce_sum(acc, [self.ps.dp_group]).tolist()
         return total / max(n, 1.0)
 
     # ---- the loop ----------------------------------------------------------------------------

@@ -59,6 +59,17 @@ def test_expert_load_tool(tmp_path, capsys):
     files = main([str(tmp_path)])
     assert len(files) == 3 and all(f.stat().st_size > 1000 for f in files)
     out = capsys.readouterr().out
-    assert "maxvio_before" in out and "step 3" in out
+    # the two imbalance figures carry distinct names: per EP rank (MoonEP) and per expert (QB)
+    assert "rank_imbal_before" in out and "expert_maxvio" in out and "maxvio_before" not in out
+    assert "step 3" in out
+    # without EP (no plan, one rank) the report still renders
+    rec = LoadRecorder()
+    rec.record(1, torch.tensor([[5, 1, 1, 1]]), None)
+    rec.write_jsonl(tmp_path / "noep" / "expert_load.jsonl", 1)
+    assert len(main([str(tmp_path / "noep")])) == 3
+    with pytest.raises(SystemExit):  # --help describes every argument
+        main(["--help"])
+    helptext = capsys.readouterr().out
+    assert "expert_load_replicas.png" in helptext and "directory for the three PNGs" in helptext
     with pytest.raises(ValueError, match="expert_load.jsonl"):
         main([str(tmp_path / "nope")])

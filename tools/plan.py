@@ -1,15 +1,21 @@
 #!/usr/bin/env python
 """Memory / FLOPs / communication / step-time planner for a K3 layout (megak3/launch/planner.py).
 
+    python tools/plan.py model=k3_full world_size=2048 gpu=h200                # the best layout on 2048 GPUs
     python tools/plan.py model=k3_full parallel.tp=8 parallel.pp=16 parallel.ep=64 world_size=2048 gpu=h200
     python tools/plan.py model=k3_full world_size=2048 gpu=h200 --search      # top three layouts
+    python tools/plan.py model=k3_full gpu=h200 --min-gpus data.seq_len=8192  # smallest GPU count that fits
     python tools/plan.py model=k3_tiny world_size=4 parallel.tp=2 gpu=cpu train.precision=fp32 --json
     python tools/plan.py --calibrate        # re-derive the activation coefficients on this machine
 
 Arguments (key=value): model=NAME and model.FIELD=VALUE (conf/model/), parallel.{tp,pp,ep,dp,
-sequence_parallel,pp_schedule,vp}, world_size, gpu (conf/hardware/: h100, h200, b200, cpu), data.seq_len,
-train.{micro_batch_size,global_batch_size,precision,activation_checkpointing}, param_dtype
-(fp32 as the trainer runs, or bf16). Exit status 0; 1 when the layout does not fit; 2 on bad input.
+sequence_parallel,pp_schedule,vp,pp_split_blocks,pp_layout}, world_size, gpu (conf/hardware/: h100,
+h200, b200, cpu), data.seq_len, train.{micro_batch_size,global_batch_size,precision,
+activation_checkpointing}, param_dtype (fp32 as the trainer runs, or bf16), model.moe.qb_method
+(auto | exact | histogram). Without parallel.tp/pp/ep/dp the plan is the best layout --search finds.
+Without train.global_batch_size every plan, search and minimum assumes ~4 Mi tokens per step
+(1024 x 4096), rounded up to whole rounds of micro_batch_size x dp, and prints it.
+Exit status 0; 1 when the layout does not fit (or nothing fits); 2 on bad input.
 """
 from __future__ import annotations
 
@@ -27,7 +33,9 @@ KEYS = {"parallel.tp": ("tp", int), "parallel.pp": ("pp", int), "parallel.ep": (
         "train.micro_batch_size": ("micro_batch_size", int), "train.global_batch_size": ("global_batch_size", int),
         "train.precision": ("precision", str), "train.activation_checkpointing": ("activation_checkpointing", "bool"),
         "param_dtype": ("param_dtype", str), "parallel.pp_schedule": ("pp_schedule", str),
-        "parallel.vp": ("vp", int)}
+        "parallel.vp": ("vp", int), "parallel.pp_split_blocks": ("pp_split_blocks", "bool"),
+        "parallel.pp_layout": ("pp_layout", "list"), "model.moe.qb_method": ("qb_method", str)}
+LAYOUT_KEYS = ("tp", "pp", "ep", "dp")
 
 
 def _bool(key, v):
@@ -36,6 +44,15 @@ def _bool(key, v):
     if v.lower() in ("false", "0", "no"):
         return False
     raise ValueError(f"{key}={v!r} must be true or false")
+
+
+def _int_list(key, v):
+    import yaml
+
+    x = yaml.safe_load(v)
+    if not isinstance(x, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in x):
+        raise ValueError(f"{key}={v!r} must be a list of layer counts, e.g. [3,6]")
+    return tuple(x)
 
 
 def parse_overrides(items):
@@ -47,18 +64,19 @@ def parse_overrides(items):
         k, v = it.split("=", 1)
         if k == "model":
             model = v
+        elif k in KEYS:
+            name, typ = KEYS[k]
+            try:
+                kw[name] = (_bool(k, v) if typ == "bool" else _int_list(k, v) if typ == "list" else typ(v))
+            except ValueError:
+                want = {"bool": "true/false", "list": "a list of integers"}.get(typ, getattr(typ, "__name__", typ))
+                raise ValueError(f"{k}={v!r} must be {want}") from None
         elif k.startswith("model."):
             import yaml
 
             model_over[k[6:]] = yaml.safe_load(v)
         elif k == "gpu":
             gpu = v
-        elif k in KEYS:
-            name, typ = KEYS[k]
-            try:
-                kw[name] = _bool(k, v) if typ == "bool" else typ(v)
-            except ValueError:
-                raise ValueError(f"{k}={v!r} must be {'true/false' if typ == 'bool' else typ.__name__}") from None
         else:
             raise ValueError(f"unknown key {k!r}; use one of model, model.FIELD, gpu, {', '.join(KEYS)}")
     return model, model_over, kw, gpu
@@ -68,15 +86,35 @@ def _g(b):
     return f"{b / GiB:8.2f} GiB"
 
 
+def _layers(chunks):
+    return ", ".join(f"{a}-{b - 1}" for a, b in chunks)
+
+
+def batch_line(L) -> str:
+    src = ("default: ~4 Mi tokens per step, set train.global_batch_size= to change"
+           if L["global_batch_default"] else "train.global_batch_size")
+    return (f"global batch {L['global_batch_size']} sequences x {L['seq_len']} tokens = "
+            f"{L['tokens_per_step'] / 1e6:.2f} M tokens per step ({src})")
+
+
+def short_line(p) -> str:
+    L, t = p["layout"], p["time"]
+    return (f"tp={L['tp']} pp={L['pp']} ep={L['ep']} dp={L['dp']} micro_batch={L['micro_batch_size']} "
+            f"global_batch={L['global_batch_size']}: {t['tokens_per_s']:,.0f} tokens/s, step {t['step_s']:.2f} s, "
+            f"MFU {100 * t['mfu']:.1f}%, {p['memory']['total'] / GiB:.1f} GiB/rank")
+
+
 def format_plan(p) -> str:
     L, m, t, f, c = p["layout"], p["memory"], p["time"], p["flops_per_token"], p["comm_bytes_per_step"]
     lines = [f"layout tp={L['tp']} pp={L['pp']} ep={L['ep']} dp={L['dp']} (edp={L['edp']}) on {L['world_size']} x "
-             f"{p['hardware']}; sp={L['sequence_parallel']} micro_batch={L['micro_batch_size']} x seq {L['seq_len']}, "
-             f"global batch {L['global_batch_size']} ({L['micro_batches']} micro-batches, {L['pp_schedule']}"
-             f"{' vp=' + str(L['vp']) if L['vp'] > 1 else ''}), "
+             f"{p['hardware']}; sp={L['sequence_parallel']} micro_batch={L['micro_batch_size']} x seq {L['seq_len']} "
+             f"({L['micro_batches']} micro-batches per step, {L['pp_schedule']}"
+             f"{' vp=' + str(L['vp']) if L['vp'] > 1 else ''}"
+             f"{', stages split inside AttnRes blocks' if L['pp_split_blocks'] else ''}), "
              f"act ckpt={L['activation_checkpointing']}, {L['precision']} activations, {L['param_dtype']} params",
-             f"memory per rank (stage {m['stage']}, layers {m['layers'][0]}-{m['layers'][1] - 1}, "
-             f"{m['in_flight_micro_batches']} micro-batches in flight):",
+             batch_line(L),
+             f"memory per rank (stage {m['stage']}, layers {_layers(m['layers'])}, "
+             f"{m['in_flight_micro_batches']:g} micro-batches in flight):",
              f"  params           {_g(m['params'])}   ({m['local_params'] / 1e9:.2f} B local)",
              f"  grads            {_g(m['grads'])}",
              f"  main fp32 copies {_g(m['main_params'])}",
@@ -85,6 +123,8 @@ def format_plan(p) -> str:
     lines += [f"    no-ckpt, per micro-batch {k:<14} {_g(v)}" for k, v in m["activations_by_kind_per_micro_batch"].items()]
     lines += [f"  KDA chunk states {_g(m['kda_states'])}   (inside activations)",
               f"  MoonEP buffers   {_g(m['moonep_buffers'])}",
+              f"  QB statistics    {_g(m['qb_stats'])}   ({m['qb_method']}, {m['moe_layers']} MoE layers"
+              + (f"; + {m['qb_transient'] / GiB:.2f} GiB gathered at the step end" if m["qb_transient"] else "") + ")",
               f"  autocast copies  {_g(m['autocast_weight_copies'])}",
               f"  comm buckets     {_g(m['comm_buffers'])}",
               f"  bwd transient    {_g(m['backward_transient'])}",
@@ -94,21 +134,35 @@ def format_plan(p) -> str:
               f"(2 x {f['active_params'] / 1e9:.2f} B active) + MLA scores {f['mla_scores'] / 1e9:.2f} G + KDA "
               f"{f['kda_recurrence'] / 1e9:.2f} G; training {f['train'] / 1e9:.1f} G/token"
               + (f"; vision {f['vision_per_patch_forward'] / 1e9:.2f} G per patch" if "vision_per_patch_forward" in f else ""),
-              "comm per rank per step: " + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in c.items()),
+              f"comm per rank per step (stage {p['comm_stage']}, the slowest"
+              f"{', recompute forward counted' if L['activation_checkpointing'] else ''}): "
+              + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in c.items()),
               f"step time {t['step_s']:.2f} s = (compute {t['compute_s']:.2f} + tp {t['tp_s']:.2f} + ep {t['ep_s']:.2f} "
-              f"+ pp {t['pp_s']:.2f}) x bubble {t['bubble']:.2f} + dp exposed {t['dp_exposed_s']:.2f}; "
-              f"{t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f}%"]
+              f"+ pp {t['pp_s']:.2f}) x bubble {t['bubble']:.2f} + tp grad sync {t['tp_grad_sync_s']:.2f} "
+              f"+ dp exposed {t['dp_exposed_s']:.2f} + QB {t['qb_s']:.2f}; "
+              f"{t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f}%",
+              f"train with: {p['trainer_overrides']}"]
     return "\n".join(lines)
+
+
+def _cmd(model, gpu, extra, world=None):
+    parts = ["python tools/plan.py", f"model={model}", f"gpu={gpu}"] + ([f"world_size={world}"] if world else [])
+    return " ".join(parts + extra.split())
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("overrides", nargs="*")
-    ap.add_argument("--search", action="store_true", help="print the top three layouts for world_size")
-    ap.add_argument("--top", type=int, default=3)
+    ap.add_argument("overrides", nargs="*", help="key=value settings (see above)")
+    ap.add_argument("--search", action="store_true", help="print the top layouts for world_size, fastest first")
+    ap.add_argument("--top", type=int, default=3, help="how many layouts --search prints (default 3)")
+    ap.add_argument("--min-gpus", action="store_true",
+                    help="the smallest GPU count (powers of two, then multiples of the node size) on which some "
+                         "layout fits this model, sequence length and hardware, with that layout")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     ap.add_argument("--calibrate", action="store_true", help="re-derive the activation coefficients (CPU, ~1 min)")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)
+    from dataclasses import replace
+
     from megak3.config import load_model_config
     from megak3.launch import planner
     from megak3.launch.hardware import load_hardware
@@ -122,27 +176,75 @@ def main(argv=None) -> int:
         model, mo, kw, gpu = parse_overrides(args.overrides)
         cfg = load_model_config(model, **mo)
         hw = load_hardware(gpu)
+        extras = " ".join(a for a in args.overrides if not a.startswith(("model=", "gpu=", "world_size=")))
+        base = planner.PlanConfig(**{k: v for k, v in kw.items() if k not in LAYOUT_KEYS})
+        replace(base, global_batch_size=0).resolved()  # bad precision / schedule values fail before any search
+        if args.min_gpus:
+            res = planner.min_gpus(cfg, hw, base=replace(base, world_size=1))
+            if args.json:
+                print(json.dumps(res, default=str))
+                return 0 if res else 1
+            if res is None:
+                print(f"no layout up to 131072 x {hw.name} fits {cfg.name} at seq {base.seq_len}", file=sys.stderr)
+                return 1
+            p, w = res["plan"], res["world_size"]
+            print(f"minimum GPUs for {cfg.name}, seq {base.seq_len}, {hw.name}: {w} "
+                  f"(smallest power of two: {res['power_of_two']})")
+            print(f"  layout: {short_line(p)}")
+            print(f"  {batch_line(p['layout'])}")
+            print("  tried: " + ", ".join(f"{k} {'fits' if v else 'no'}" for k, v in res["tried"].items()))
+            print(f"  plan it: {_cmd(model, gpu, p['trainer_overrides'], w)}")
+            return 0
         if args.search:
-            base = planner.PlanConfig(**{k: v for k, v in kw.items() if k not in ("tp", "pp", "ep", "dp")})
             plans = planner.search(cfg, base.world_size, hw, top=args.top, base=base)
             if not plans:
-                print(f"no layout of {base.world_size} x {hw.name} fits {cfg.name}", file=sys.stderr)
+                print(f"no layout of {base.world_size} x {hw.name} fits {cfg.name}; find the smallest GPU count "
+                      f"with: {_cmd(model, gpu, extras + ' --min-gpus')}", file=sys.stderr)
                 return 1
             if args.json:
                 print(json.dumps(plans, default=str))
             else:
+                print(f"{cfg.name} on {base.world_size} x {hw.name}, seq {base.seq_len}; "
+                      + ("each layout at its default global batch (~4 Mi tokens per step)" if not base.global_batch_size
+                         else f"global batch {base.global_batch_size}"))
                 for i, p in enumerate(plans, 1):
-                    L, t = p["layout"], p["time"]
-                    print(f"#{i} tp={L['tp']} pp={L['pp']} ep={L['ep']} dp={L['dp']} micro_batch={L['micro_batch_size']}: "
-                          f"{t['tokens_per_s']:,.0f} tokens/s, step {t['step_s']:.2f} s, MFU {100 * t['mfu']:.1f}%, "
-                          f"{p['memory']['total'] / GiB:.1f} GiB/rank")
+                    print(f"#{i} {short_line(p)}")
             return 0
-        p = planner.make_plan(cfg, planner.PlanConfig(**kw), hw)
+        given = any(k in kw for k in LAYOUT_KEYS)
+        if not given:
+            best = planner.search(cfg, base.world_size, hw, top=1, base=base)
+            if not best:
+                print(f"no layout of {base.world_size} x {hw.name} fits {cfg.name} at seq {base.seq_len}; the smallest "
+                      f"GPU count that fits: {_cmd(model, gpu, extras + ' --min-gpus')}", file=sys.stderr)
+                return 1
+            p = best[0]
+        else:
+            p = planner.make_plan(cfg, planner.PlanConfig(**kw), hw)
     except ValueError as e:
         print(f"plan: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(p, default=str) if args.json else format_plan(p))
+    if args.json:
+        print(json.dumps(p, default=str))
+        return 0 if p["fits"] else 1
+    if not given:
+        print(f"no parallel.tp/pp/ep/dp given: the best layout on {base.world_size} x {hw.name} (what --search ranks "
+              f"first); give parallel.* to plan another")
+    print(format_plan(p))
+    if not p["fits"]:
+        W = p["layout"]["world_size"]
+        best = planner.search(cfg, W, hw, top=1, base=base)
+        if best:
+            print(f"this layout does not fit; the best one that does on {W} x {hw.name}: {short_line(best[0])}\n"
+                  f"  (all: {_cmd(model, gpu, extras_without_layout(args.overrides) + ' --search', W)})")
+        else:
+            print(f"this layout does not fit and no layout of {W} x {hw.name} does; the smallest GPU count that fits: "
+                  f"{_cmd(model, gpu, extras_without_layout(args.overrides) + ' --min-gpus')}")
     return 0 if p["fits"] else 1
+
+
+def extras_without_layout(overrides) -> str:
+    drop = ("model=", "gpu=", "world_size=", "parallel.tp=", "parallel.pp=", "parallel.ep=", "parallel.dp=")
+    return " ".join(a for a in overrides if not a.startswith(drop))
 
 
 if __name__ == "__main__":

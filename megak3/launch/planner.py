@@ -1,7 +1,15 @@
 """Analytic per-rank memory, FLOPs per token, communication per step and step time of a layout.
 
-    plan = make_plan(model_cfg, Layout(tp=8, pp=16, ep=64, world_size=2048), hw=load_hardware("h200"))
+    plan = make_plan(model_cfg, PlanConfig(tp=8, pp=16, ep=64, world_size=2048), hw=load_hardware("h200"))
     plan["memory"]["total"], plan["time"]["step_s"], plan["fits"]
+    search(model_cfg, 2048, hw)          # the fitting layouts, fastest first (tools/plan.py --search)
+    min_gpus(model_cfg, hw)              # the smallest world size where some layout fits (--min-gpus)
+    per_rank_figures(model_cfg, pc, "middle")   # exact params / grads / optimizer / checkpoint bytes
+
+Batch: a plan, a search and min_gpus all assume the same global batch when none is given,
+default_global_batch(): ~4 Mi tokens per step (1024 x 4096), rounded up to whole micro-batch rounds.
+Stages: the trainer's partition (parallel/pipeline/partition.rank_chunks: cost-balanced, cuts at
+AttnRes block starts unless parallel.pp_split_blocks, which the plan turns on when pp x vp needs it).
 
 Memory per rank (bytes; the rank of the pipeline stage that needs the most), as the trainer keeps it:
   params     the rank's TP shard of dense weights + its EP share of routed experts, in param_dtype
@@ -9,8 +17,9 @@ Memory per rank (bytes; the rank of the pipeline stage that needs the most), as 
   grads      one gradient per local param (param dtype), accumulated over the step's micro-batches
   main       fp32 main copies of the params this rank OWNS under ZeRO-1 (0 when params are fp32:
              parallel/data_parallel.py then uses the param itself as the main copy)
-  optimizer  owned share (1/dp of dense, 1/edp of expert params) of Muon momentum (4 B/elem) and
-             AdamW exp_avg + exp_avg_sq (8 B/elem); whole-parameter ownership (+- one param)
+  optimizer  owned share (1/dp of dense, 1/edp of expert params; without EP the experts are on the
+             dp group) of Muon momentum (4 B/elem) and AdamW exp_avg + exp_avg_sq (8 B/elem); the
+             average share (per_rank_figures has a given rank's whole-parameter ownership)
   activations  per micro-batch: every decoder layer's saved tensors by module kind (KDA or MLA,
              dense FFN or LatentMoE, two AttnRes sites, two RMSNorms) + the head, from ACT_COEF
              (bytes per token per unit width, counted from this implementation's autograd graph,
@@ -22,11 +31,14 @@ Memory per rank (bytes; the rank of the pipeline stage that needs the most), as 
              shown separately)
   moonep     transient dispatch buffers of one MoE layer under EP: send, receive, expert output and
              combine, each [S*K, latent] (S = tokens of the rank, K = top_k)
+  qb_stats   Quantile-Balancing statistics of the stage's MoE layers (qb_figures): histogram
+             int64 [E, bins] per layer, or the exact method's fp32 margins of the rank's tokens of the
+             step [T_rank, E] per layer + at the step end one layer's gathered [T_group, E] twice
   comm       ZeRO-1 bucket (fp32 reduce-scatter buffer of dp segments, parallel/data_parallel.py)
   backward transient: the largest single module's saved bytes again (its input gradients)
-  peak       params + main + optimizer + comm + the working set: activations (+ grads when the step
-             accumulates several micro-batches; with one, grads appear as activations are freed, so
-             the larger of the two counts)
+  peak       params + main + optimizer + QB stats + comm + the working set: activations (+ grads
+             when the step accumulates several micro-batches; with one, grads appear as activations
+             are freed, so the larger of the two counts), or the exact QB gather after the step
 
 FLOPs per token (forward; training = 3x, + 1x of the layers with activation checkpointing):
   matmul     2 x active params (param counter: everything a token touches, top_k of E experts,
@@ -36,22 +48,33 @@ FLOPs per token (forward; training = 3x, + 1x of the layers with activation chec
   kda        per KDA layer: H * (6 K^2 + 3 C K) (state read, write and delta correction 2K^2 each;
              intra-chunk QK^T and AV over C/2 on average; the WY/UT transform C K)
   vision     per image patch token: 2 x vision params + its attention over the patch sequence
+The same split per decoder layer (layer_flops_per_token) gives each stage's compute.
 
-Communication per rank per optimizer step (bytes; ring algorithms, (n-1)/n of the data moved):
+Communication per rank per optimizer step (bytes; ring algorithms, (n-1)/n of the data moved),
+counted for every pipeline stage; the plan reports the stage with the longest step:
   tp   4 collectives of [tokens, d] per layer per micro-batch (all-gather + reduce-scatter under SP,
-       all-reduce without, forward and backward), activation dtype
-  ep   MoonEP dispatch + combine of [S*K, latent] per MoE layer, forward and backward
+       all-reduce without, forward and backward; 6 with activation checkpointing: the recompute
+       runs the forward's two again), activation dtype; + the vocab-parallel embedding (first
+       stage) and lm_head (last) 2 each
+  tp_grad_sync  the partial gradients of replicated params summed over TP once per step
+       (parallel/parallelize.sync_partial_grads: under SP every replicated non-vision param)
+  ep   MoonEP dispatch + combine of [S*K, latent] per MoE layer, forward and backward (+ the
+       recompute forward's dispatch and combine under activation checkpointing: x 1.5)
   dp   ZeRO-1 reduce-scatter of fp32 grads + all-gather of params, dense over dp, experts over edp
   pp   the AttnRes depth state (partial + committed blocks) per micro-batch, to the next stage and
        its gradient back
-Step time: compute / (peak * mfu) + exposed tp and ep comm + (1 - dp_overlap) of dp comm + pp
-transfers, times the schedule's bubble factor 1 / (1 - closed-form bubble): 1 + (pp - 1) / m for
-1F1B and AFAB, 1 + (pp - 1) / (vp m) interleaved, 1 + (pp - 1) / (3 m) for ZB-H1 (t_F = t_B = t_W);
-interleaving sends vp times as many stage transfers. Activations in flight on stage s: 1F1B p - s
-micro-batches, AFAB all m, interleaved (2 (p - 1 - s) + (vp - 1) p + 1) / vp (its warm-up, in
-whole-stage units), ZB-H1 p - s plus ~0.5 per postponed W (s of them; tools/bench_pipeline.py).
+  qb   QB statistics (qb_figures): histogram all-reduce of [E, bins] int64 per MoE layer over tp
+       (under SP) and dp, or the exact margins' all-gather
+Step time of a stage: compute (its layers' FLOPs over the stage's ranks) / (peak * mfu) + exposed tp
+and ep comm + pp transfers, times the schedule's bubble factor 1 / (1 - closed-form bubble):
+1 + (pp - 1) / m for 1F1B and AFAB, 1 + (pp - 1) / (vp m) interleaved, 1 + (pp - 1) / (3 m) for
+ZB-H1 (t_F = t_B = t_W); then + the TP gradient sync, (1 - dp_overlap) of the dp comm and the QB
+reduction, which run after the last backward. The step is the slowest stage's. Interleaving sends
+vp times as many stage transfers. Activations in flight on stage s: 1F1B p - s micro-batches, AFAB
+all m, interleaved (2 (p - 1 - s) + (vp - 1) p + 1) / vp (its warm-up, in whole-stage units), ZB-H1
+p - s plus ~0.5 per postponed W (s of them; tools/bench_pipeline.py).
 A group inside one node uses the NVLink bandwidth, one spanning nodes the per-GPU network bandwidth
-(hardware table).
+(hardware table); the expert grid puts ep fastest (etp = 1), so an EP group spans ep ranks.
 """
 from __future__ import annotations
 
@@ -119,6 +142,23 @@ def module_features(cfg: ModelConfig, kind: str, tokens_per_seq: int, tp: int = 
 
 
 # ---- layout and inputs ------------------------------------------------------------------------
+DEFAULT_STEP_TOKENS = 1024 * 4096
+"""tokens per optimizer step a plan assumes when train.global_batch_size is not given (4 Mi)"""
+
+QB_AUTO_EXACT_LIMIT = 64 * 2 ** 20
+"""qb_method='auto': exact margins while tokens_per_step x num_experts x 4 B stays within this"""
+
+
+def default_global_batch(seq_len: int, micro_batch_size: int, dp: int, pp: int = 1,
+                         pp_schedule: str = "1f1b") -> int:
+    """The global batch (sequences) every plan and search assumes when none is given: the smallest
+    multiple of micro_batch_size x dp (x pp under interleaved_1f1b, which needs whole rounds) that
+    holds at least DEFAULT_STEP_TOKENS tokens (1024 sequences of 4096 tokens)."""
+    unit = micro_batch_size * dp * (pp if pp_schedule == "interleaved_1f1b" else 1)
+    want = max(1, -(-DEFAULT_STEP_TOKENS // seq_len))
+    return -(-want // unit) * unit
+
+
 @dataclass
 class PlanConfig:
     """What to plan: layout degrees, batch shape, precision, checkpointing, hardware."""
@@ -134,7 +174,7 @@ class PlanConfig:
     micro_batch_size: int = 1
     seq_len: int = 4096
     global_batch_size: int = 0
-    """sequences per step; 0: micro_batch_size * dp * max(1, 2 * pp) (enough micro-batches for 1F1B)"""
+    """sequences per step; 0: default_global_batch() (~4 Mi tokens, whatever the layout)"""
     precision: str = "bf16"
     """activation dtype: 'bf16' (autocast) or 'fp32'"""
     param_dtype: str = "fp32"
@@ -144,15 +184,25 @@ class PlanConfig:
     """parallel.pp_schedule: afab, 1f1b, interleaved_1f1b or zb_h1 (parallel/pipeline/schedules.py)"""
     vp: int = 1
     """parallel.vp: model chunks per pipeline rank (interleaved_1f1b)"""
+    pp_split_blocks: Optional[bool] = None
+    """parallel.pp_split_blocks; None: only when pp x vp exceeds the AttnRes block starts"""
+    pp_layout: Optional[tuple] = None
+    """parallel.pp_layout: explicit layers per model chunk; None: balanced as the trainer does"""
+    qb_method: str = ""
+    """'' = model.moe.qb_method; 'auto' | 'exact' | 'histogram' (anything else counts as 'auto')"""
+    qb_bins: int = 0
+    """0 = model.moe.qb_bins (4096 when the config has none)"""
     bucket_bytes: int = 40 * 2 ** 20
     dp_overlap: float = 0.8
     """fraction of the ZeRO-1 reduce-scatter / all-gather hidden behind compute"""
+    global_batch_default: bool = False
+    """set by resolved(): the global batch came from default_global_batch()"""
 
     def resolved(self) -> "PlanConfig":
-        for f in ("tp", "pp", "ep", "world_size", "micro_batch_size", "seq_len"):
+        for f in ("tp", "pp", "ep", "vp", "world_size", "micro_batch_size", "seq_len"):
             v = getattr(self, f)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"parallel.{f}={v!r} must be an integer >= 1" if f in ("tp", "pp", "ep")
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"parallel.{f}={v!r} must be an integer >= 1" if f in ("tp", "pp", "ep", "vp")
                                  else f"{f}={v!r} must be an integer >= 1")
         if self.precision not in ("bf16", "fp32"):
             raise ValueError(f"precision={self.precision!r} must be 'bf16' or 'fp32'")
@@ -166,26 +216,49 @@ class PlanConfig:
             raise ValueError(f"parallel.tp*pp*dp = {model}*{dp} must equal world_size={self.world_size}")
         if (self.world_size // self.pp) % self.ep:
             raise ValueError(f"parallel.ep={self.ep} must divide world_size/pp = {self.world_size // self.pp}")
-        gbs = self.global_batch_size or self.micro_batch_size * dp * max(1, 2 * self.pp)
+        sp = self.sequence_parallel and self.tp > 1
+        if self.ep > 1 and self.tp > 1 and not sp:
+            raise ValueError(f"parallel.ep={self.ep} with parallel.tp={self.tp} needs "
+                             "parallel.sequence_parallel=true")
+        if sp and self.seq_len % self.tp:
+            raise ValueError(f"data.seq_len={self.seq_len} must be a multiple of parallel.tp={self.tp} under "
+                             "sequence parallelism")
+        default = not self.global_batch_size
+        gbs = self.global_batch_size or default_global_batch(self.seq_len, self.micro_batch_size, dp, self.pp,
+                                                             self.pp_schedule)
         if gbs % (self.micro_batch_size * dp):
             raise ValueError(f"global_batch_size={gbs} must be a multiple of micro_batch_size x dp = "
                              f"{self.micro_batch_size} x {dp}")
-        if self.pp > 1:
-            from parallel.pipeline.schedules import check_schedule
+        from parallel.pipeline.schedules import check_schedule
 
-            check_schedule(self.pp_schedule, self.pp, self.vp, gbs // (self.micro_batch_size * dp))
-        return replace(self, dp=dp, global_batch_size=gbs, sequence_parallel=self.sequence_parallel and self.tp > 1)
+        check_schedule(self.pp_schedule, self.pp, self.vp, gbs // (self.micro_batch_size * dp) if self.pp > 1
+                       else None)
+        layout = tuple(self.pp_layout) if self.pp_layout is not None else None
+        return replace(self, dp=dp, global_batch_size=gbs, sequence_parallel=sp, pp_layout=layout,
+                       global_batch_default=default or self.global_batch_default)
 
     @property
     def edp(self) -> int:
         return self.world_size // (self.pp * self.ep)
 
+    @property
+    def expert_dp(self) -> int:
+        """The ZeRO-1 / gradient group of the routed experts: edp under EP; without EP the trainer
+        keeps them on the dense dp group (every TP rank holds all experts)."""
+        return self.edp if self.ep > 1 else self.dp
+
+    @property
+    def micro_batches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
 
 def check_model(cfg: ModelConfig, pc: PlanConfig) -> None:
-    """The divisibility the layout needs (as parallel/grid.validate_layout)."""
+    """The divisibility the layout needs (as parallel/grid.validate_layout) and a stage partition."""
     from parallel.grid import Layout, validate_layout
 
     validate_layout(Layout(world_size=pc.world_size, tp=pc.tp, dp=pc.dp, pp=pc.pp, ep=pc.ep), cfg)
+    if pc.pp > 1:
+        _chunks(cfg, pc)
 
 
 # ---- parameters from the real module tree -------------------------------------------------------
@@ -210,7 +283,34 @@ def _tp_sharded(name: str) -> bool:
     return False
 
 
+def _tp_partial(name: str, sequence_parallel: bool) -> bool:
+    """Replicated params whose gradients parallelize.sync_partial_grads sums over TP (tp > 1)."""
+    if name.startswith("vision.") or _tp_sharded(name):
+        return False
+    if ".self_attn." in name:           # replicated inside a TP region, feeding sharded heads
+        return True
+    return sequence_parallel            # applied to sequence-sharded tokens
+
+
 _INVENTORY: Dict[str, tuple] = {}
+_BUFFERS: Dict[str, tuple] = {}
+_KEYS: Dict[int, tuple] = {}
+
+
+def _key(cfg: ModelConfig) -> str:
+    """A cache key of a model config (its repr, memoised per object: the search asks thousands of times)."""
+    hit = _KEYS.get(id(cfg))
+    if hit is None or hit[0] is not cfg:
+        hit = _KEYS[id(cfg)] = (cfg, repr(cfg))
+    return hit[1]
+
+
+def _where(name: str) -> int:
+    if name.startswith("layers."):
+        return int(name.split(".")[1])
+    if name.startswith(("embed_tokens.", "vision.")):
+        return -1
+    return -2
 
 
 def _inventory(cfg: ModelConfig) -> tuple:
@@ -225,25 +325,33 @@ def _inventory(cfg: ModelConfig) -> tuple:
     opt = {s.name: s.optimizer for s in classify_parameters(model)}
     out = []
     for name, p in model.named_parameters():
-        if name.startswith("layers."):
-            where = int(name.split(".")[1])
-        elif name.startswith(("embed_tokens.", "vision.")):
-            where = -1
-        else:
-            where = -2
-        out.append((name, p.numel(), where, _tp_sharded(name), ".mlp.experts." in name, opt.get(name, "adamw")))
+        out.append((name, p.numel(), _where(name), _tp_sharded(name), ".mlp.experts." in name,
+                    opt.get(name, "adamw")))
+    params = {n for n, _ in model.named_parameters()}
+    _BUFFERS[_key(cfg)] = tuple((n, t.numel(), _where(n), t.element_size())
+                                for n, t in model.state_dict().items() if n not in params)
     return tuple(out)
 
 
 def inventory(cfg: ModelConfig) -> tuple:
-    key = repr(cfg)
+    """Every parameter of the single-process model, in ``named_parameters()`` order (the order the
+    trainer's optimizer specs and ZeRO-1 ownership use): (name, numel, where, tp_sharded, expert,
+    optimizer); where = decoder layer index, -1 embedding/vision (first stage), -2 output (last)."""
+    key = _key(cfg)
     if key not in _INVENTORY:
         _INVENTORY[key] = _inventory(cfg)
     return _INVENTORY[key]
 
 
+def buffer_inventory(cfg: ModelConfig) -> tuple:
+    """The persistent buffers of the model's state_dict: (name, numel, where, element size)."""
+    inventory(cfg)
+    return _BUFFERS[_key(cfg)]
+
+
 def stage_layers(num_layers: int, pp: int) -> List[range]:
-    """Contiguous layer ranges per pipeline stage; the first num_layers % pp stages get one more."""
+    """An even split (the first num_layers % pp stages one layer more). Not what the trainer runs:
+    see stage_chunks (parallel/pipeline/partition.py balances by cost at AttnRes block starts)."""
     base, extra = divmod(num_layers, pp)
     out, start = [], 0
     for s in range(pp):
@@ -253,43 +361,271 @@ def stage_layers(num_layers: int, pp: int) -> List[range]:
     return out
 
 
+def split_blocks(cfg: ModelConfig, pc: PlanConfig) -> bool:
+    """parallel.pp_split_blocks as planned: the given value, else whether pp x vp model chunks
+    (or the given pp_layout) need a stage boundary inside an AttnRes block."""
+    if pc.pp_split_blocks is not None:
+        return bool(pc.pp_split_blocks)
+    bs = cfg.attn_res_block_size
+    if pc.pp_layout is not None:
+        starts = [sum(pc.pp_layout[:i]) for i in range(1, len(pc.pp_layout))]
+        return any(s % bs for s in starts)
+    block_starts = len([i for i in range(1, cfg.num_layers) if i % bs == 0])
+    return pc.pp * pc.vp - 1 > block_starts
+
+
+_PARTS: Dict[tuple, tuple] = {}
+
+
+def _chunks(cfg: ModelConfig, pc: PlanConfig) -> tuple:
+    """All pp x vp model chunks in virtual-stage order, as the trainer cuts them."""
+    from parallel.pipeline.partition import partition_layers
+
+    split = split_blocks(cfg, pc)
+    key = (_key(cfg), pc.pp * pc.vp, pc.pp_layout, split)
+    if key not in _PARTS:
+        name = "parallel.pp" if pc.vp == 1 else f"parallel.pp * parallel.vp = {pc.pp} * {pc.vp}, chunks"
+        _PARTS[key] = tuple(partition_layers(cfg, pc.pp * pc.vp, pc.pp_layout, split, name))
+    return _PARTS[key]
+
+
+def stage_chunks(cfg: ModelConfig, pc: PlanConfig, stage: int) -> List[range]:
+    """The layer ranges pipeline rank ``stage`` holds: parallel/pipeline/partition.rank_chunks."""
+    if pc.pp == 1:
+        return [range(cfg.num_layers)]
+    ch = _chunks(cfg, pc)
+    return [ch[c * pc.pp + stage] for c in range(pc.vp)]
+
+
+def _stage_layer_list(cfg: ModelConfig, pc: PlanConfig, stage: int) -> List[int]:
+    return sorted(i for r in stage_chunks(cfg, pc, stage) for i in r)
+
+
 _AGG: Dict[str, dict] = {}
 
 
 def _aggregate(cfg: ModelConfig) -> dict:
-    """{(where, tp_sharded, expert, optimizer): numel} of the inventory (cached per config)."""
-    key = repr(cfg)
+    """Per place (layer index, -1, -2): {(tp_sharded, expert, optimizer): numel} and the numel of
+    the replicated params whose gradients TP sums (cached per config): 'partial_attn' (inside the
+    attention region: always when tp > 1), 'partial_sp' / 'partial_sp_expert' (under SP; experts only
+    when they are not EP-sharded)."""
+    key = _key(cfg)
     if key not in _AGG:
         agg: dict = {}
-        for _, n, where, tp_sh, is_exp, opt in inventory(cfg):
-            k = (where, tp_sh, is_exp, opt)
-            agg[k] = agg.get(k, 0) + n
+        for name, n, where, tp_sh, is_exp, opt in inventory(cfg):
+            w = agg.setdefault(where, {"numel": {}, "partial_attn": 0, "partial_sp": 0, "partial_sp_expert": 0})
+            k = (tp_sh, is_exp, opt)
+            w["numel"][k] = w["numel"].get(k, 0) + n
+            if _tp_partial(name, False):
+                w["partial_attn"] += n
+            elif _tp_partial(name, True):
+                w["partial_sp_expert" if is_exp else "partial_sp"] += n
         _AGG[key] = agg
     return _AGG[key]
 
 
-def _param_memory(cfg: ModelConfig, pc: PlanConfig, layers: range, first: bool, last: bool) -> dict:
+def _places(cfg: ModelConfig, layers, first: bool, last: bool) -> list:
+    agg = _aggregate(cfg)
+    out = [agg[i] for i in layers if i in agg]
+    if first and -1 in agg:
+        out.append(agg[-1])
+    if last and -2 in agg:
+        out.append(agg[-2])
+    return out
+
+
+def _on_stage(where: int, layers, first: bool, last: bool) -> bool:
+    return where in layers if where >= 0 else (first if where == -1 else last)
+
+
+def _param_memory(cfg: ModelConfig, pc: PlanConfig, layers, first: bool, last: bool) -> dict:
+    """Average ZeRO-1 shares (1/dp of the dense, 1/expert_dp of the expert params); see
+    per_rank_figures for a given rank's exact whole-parameter ownership."""
     pbytes = 4 if pc.param_dtype == "fp32" else 2
     local = dense = expert = 0.0
     state = 0.0
-    for (where, tp_sh, is_exp, opt), n in _aggregate(cfg).items():
-        if where >= 0 and where not in layers:
-            continue
-        if where == -1 and not first or where == -2 and not last:
-            continue
-        if is_exp:
-            n_loc = n / pc.ep
-            owners = pc.edp
-            expert += n_loc
-        else:
-            n_loc = n / pc.tp if tp_sh else n
-            owners = pc.dp
-            dense += n_loc
-        local += n_loc
-        state += n_loc / owners * (4 if opt == "muon" else 8)
-    main = 0.0 if pc.param_dtype == "fp32" else 4 * (dense / pc.dp + expert / pc.edp)
+    for place in _places(cfg, layers, first, last):
+        for (tp_sh, is_exp, opt), n in place["numel"].items():
+            if is_exp and pc.ep > 1:
+                n_loc = n / pc.ep
+                owners = pc.edp
+                expert += n_loc
+            elif is_exp:
+                n_loc, owners = n, pc.dp
+                expert += n_loc
+            else:
+                n_loc = n / pc.tp if tp_sh else n
+                owners = pc.dp
+                dense += n_loc
+            local += n_loc
+            state += n_loc / owners * (4 if opt == "muon" else 8)
+    main = 0.0 if pc.param_dtype == "fp32" else 4 * (dense / pc.dp + expert / pc.expert_dp)
     return {"params": local * pbytes, "grads": local * pbytes, "main_params": main, "optimizer_state": state,
             "local_params": local, "local_dense": dense, "local_expert": expert}
+
+
+def _owners(numels: List[int], world: int) -> List[int]:
+    """parallel.data_parallel.assign_owners (greedy LPT, ties to the lower index / rank) with a heap."""
+    import heapq
+
+    heap = [(0, r) for r in range(world)]
+    owner = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        load, r = heapq.heappop(heap)
+        owner[i] = r
+        heapq.heappush(heap, (load + numels[i], r))
+    return owner
+
+
+def _stage_index(stage, pp: int) -> int:
+    if isinstance(stage, str):
+        named = {"first": 0, "middle": pp // 2, "last": pp - 1}
+        if stage not in named:
+            raise ValueError(f"stage={stage!r}: give an index 0..{pp - 1} or 'first', 'middle', 'last'")
+        return named[stage]
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < pp:
+        raise ValueError(f"stage={stage!r} must be 0..{pp - 1} (parallel.pp={pp})")
+    return stage
+
+
+def per_rank_figures(cfg: ModelConfig, pc: PlanConfig, stage="first", rank_in_stage: int = 0) -> dict:
+    """Exact per-rank parameter, gradient, optimizer-state and checkpoint bytes of one rank, counted
+    parameter by parameter from the real module tree (meta device) and sharded as the trainer shards:
+    TP dims of parallel/parallelize.py (tensor numel / tp), E/ep routed experts per EP rank
+    (parallel/expert_parallel.py), the stage's layers of parallel/pipeline/partition.rank_chunks
+    (+ embedding/vision on the first, output AttnRes/norm/lm_head on the last stage), ZeRO-1
+    whole-parameter ownership of parallel/data_parallel.assign_owners over the rank's params in
+    optimizer (named_parameters) order -- dense params over dp, expert shards over edp (a separate
+    group); without EP every param is on the dp group -- and the checkpoint shards the trainer writes
+    (one saver per distinct shard, plus the optimizer state of the params the rank owns).
+
+    stage: the pipeline rank: an int, 'first' | 'middle' (pp // 2) | 'last', or a coordinates dict
+        as parallel.grid.Layout.coords(rank) returns it ({"pp", "tp", "dp", "ep", "edp", ...};
+        rank_in_stage is then ignored).
+    rank_in_stage: the rank's index among the world_size / pp ranks of its stage (default 0: the
+        saver of every shard it holds). With the default order tp-cp-ep-dp-pp: tp_rank = r % tp,
+        dp_rank = r // tp, ep_rank = r % ep, edp_rank = r // ep.
+
+    Returns (counts are elements, *_bytes are bytes; dtypes as the trainer keeps them):
+      stage, layers           pipeline rank and its layer ranges [[start, stop], ...]
+      tp_rank, dp_rank, ep_rank, edp_rank
+      params                  parameter elements this rank holds (TP shards + its E/ep experts)
+      dense_params, expert_params   of which dense / routed-expert (EP-sharded when ep > 1) elements
+      param_bytes             params x param_dtype size (4 for fp32, 2 for bf16)
+      buffer_bytes            persistent buffers of the state_dict (the routers' e_score_correction_bias)
+      grad_bytes              one gradient per local param, param dtype (the model's .grad)
+      owned_params            elements this rank owns under ZeRO-1 (dense over dp, expert shards over edp)
+      owned_muon_params, owned_adamw_params
+      optimizer_state_bytes   owned Muon momentum 4 B/elem + AdamW exp_avg + exp_avg_sq 8 B/elem
+      main_param_bytes        fp32 main copies of owned params (0 with fp32 params: the param is the copy)
+      checkpoint_model_bytes  model tensors (params + buffers) the rank writes: its dense shards when
+                              dp_rank == 0, its expert shards when edp_rank == 0 (dp_rank without EP)
+      checkpoint_optimizer_bytes  its owned optimizer state tensors (= optimizer_state_bytes; AdamW's
+                              scalar 'step' travels as metadata)
+      checkpoint_bytes        the sum: tensor bytes this rank writes per checkpoint (after the first step)
+    """
+    pc = pc.resolved()
+    check_model(cfg, pc)
+    per_stage = pc.world_size // pc.pp
+    if isinstance(stage, dict):
+        s = _stage_index(int(stage.get("pp", 0)), pc.pp)
+        tp_rank, dp_rank = int(stage.get("tp", 0)), int(stage.get("dp", 0))
+        ep_rank, edp_rank = int(stage.get("ep", 0)), int(stage.get("edp", 0))
+    else:
+        s = _stage_index(stage, pc.pp)
+        r = rank_in_stage
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < per_stage:
+            raise ValueError(f"rank_in_stage={r!r} must be 0..{per_stage - 1} (world_size / pp)")
+        tp_rank, dp_rank, ep_rank, edp_rank = r % pc.tp, r // pc.tp, r % pc.ep, r // pc.ep
+    layers = set(_stage_layer_list(cfg, pc, s))
+    first, last = s == 0, s == pc.pp - 1
+    pbytes = 4 if pc.param_dtype == "fp32" else 2
+    ep_on = pc.ep > 1
+    dense, expert = [], []          # (local numel, optimizer) in named_parameters order
+    for _, n, where, tp_sh, is_exp, opt in inventory(cfg):
+        if not _on_stage(where, layers, first, last):
+            continue
+        if is_exp and ep_on:
+            expert.append((n // pc.ep, opt))
+        else:
+            dense.append((n // pc.tp if tp_sh and pc.tp > 1 else n, opt))
+    groups = [(dense, pc.dp, dp_rank), (expert, pc.edp, edp_rank)] if ep_on else [(dense, pc.dp, dp_rank)]
+    owned = {"muon": 0, "adamw": 0}
+    for items, world, rank in groups:
+        for (n, opt), o in zip(items, _owners([n for n, _ in items], world)):
+            if o == rank:
+                owned["muon" if opt == "muon" else "adamw"] += n
+    n_dense, n_expert = sum(n for n, _ in dense), sum(n for n, _ in expert)
+    buffers = sum(n * es for _, n, where, es in buffer_inventory(cfg) if _on_stage(where, layers, first, last))
+    ckpt_model = (n_dense * pbytes + buffers if dp_rank == 0 else 0) + (n_expert * pbytes if edp_rank == 0 else 0)
+    state = 4 * owned["muon"] + 8 * owned["adamw"]
+    return {"stage": s, "layers": [[c.start, c.stop] for c in stage_chunks(cfg, pc, s)],
+            "tp_rank": tp_rank, "dp_rank": dp_rank, "ep_rank": ep_rank, "edp_rank": edp_rank,
+            "params": n_dense + n_expert, "dense_params": n_dense, "expert_params": n_expert,
+            "param_bytes": (n_dense + n_expert) * pbytes, "buffer_bytes": buffers,
+            "grad_bytes": (n_dense + n_expert) * pbytes,
+            "owned_params": owned["muon"] + owned["adamw"], "owned_muon_params": owned["muon"],
+            "owned_adamw_params": owned["adamw"], "optimizer_state_bytes": state,
+            "main_param_bytes": 0 if pc.param_dtype == "fp32" else 4 * (owned["muon"] + owned["adamw"]),
+            "checkpoint_model_bytes": ckpt_model, "checkpoint_optimizer_bytes": state,
+            "checkpoint_bytes": ckpt_model + state}
+
+
+# ---- Quantile Balancing statistics -------------------------------------------------------------
+def qb_method(cfg: ModelConfig, pc: PlanConfig) -> str:
+    """'exact' or 'histogram': PlanConfig.qb_method, else model.moe.qb_method; 'auto' (and any
+    other or missing value) resolves as the trainer does (megak3.model.balancing.resolve_qb_method):
+    the histogram when one layer's gathered margins, global batch x seq_len x num_experts x 4 B,
+    exceed 64 MiB, else exact margins."""
+    m = pc.qb_method or getattr(cfg.moe, "qb_method", "auto")
+    if m in ("exact", "histogram"):
+        return m
+    tokens = pc.global_batch_size * pc.seq_len
+    try:
+        from ..model.balancing import resolve_qb_method
+    except ImportError:  # a trainer without 'auto'
+        return "histogram" if tokens * cfg.moe.num_experts * 4 > QB_AUTO_EXACT_LIMIT else "exact"
+    return resolve_qb_method("auto", tokens, cfg.moe.num_experts)
+
+
+def qb_figures(cfg: ModelConfig, pc: PlanConfig, n_moe: int) -> dict:
+    """Memory and communication of the Quantile-Balancing statistics of ``n_moe`` MoE layers on one
+    rank per optimizer step (megak3/model/balancing.QBAccumulator, parallel/moe_stats.reduce_balancer;
+    the trainer reduces over tp under SP, then over dp).
+
+    histogram: an int64 [E, bins] counts tensor (+ a token count) per layer, all-reduced once per
+      step over each group (ring: 2 (n-1)/n of it per group).
+    exact: every margin of the rank's tokens of the step, [T_rank, E] fp32 per layer; at the step
+      end each layer's margins are all-gathered over the group (the rank receives the others',
+      (T_group - T_rank) x E x 4 B) and concatenated for the top-k (2 x T_group x E x 4 B transient,
+      one layer at a time), T_group = global batch x seq_len.
+    """
+    out = {"method": qb_method(cfg, pc), "bins": 0, "persistent": 0.0, "transient": 0.0, "comm": 0.0,
+           "comm_tp": 0.0, "comm_dp": 0.0}
+    if getattr(cfg.moe, "balancing", "quantile") != "quantile" or not n_moe:
+        out["method"] = "none" if not n_moe else out["method"]
+        return out
+    E = cfg.moe.num_experts
+    t_group = pc.global_batch_size * pc.seq_len
+    tp_group = pc.tp if pc.sequence_parallel else 1
+    t_rank = t_group / (pc.dp * tp_group)
+    if out["method"] == "histogram":
+        bins = pc.qb_bins or getattr(cfg.moe, "qb_bins", 4096) or 4096
+        size = E * bins * 8 + 8
+        out.update(bins=bins, persistent=n_moe * size)
+        out["comm_tp"] = n_moe * 2 * _ring(tp_group) * size
+        out["comm_dp"] = n_moe * 2 * _ring(pc.dp) * size
+    else:
+        out.update(persistent=n_moe * t_rank * E * 4.0,
+                   transient=2.0 * t_group * E * 4 if tp_group * pc.dp > 1 else t_rank * E * 4.0)
+        out["comm_tp"] = n_moe * (tp_group - 1) * t_rank * E * 4.0
+        out["comm_dp"] = n_moe * (pc.dp - 1) * tp_group * t_rank * E * 4.0
+    out["comm"] = out["comm_tp"] + out["comm_dp"]
+    return out
+
+
+def _n_moe(cfg: ModelConfig, layers) -> int:
+    return sum(1 for i in layers if cfg.is_moe_layer(i))
 
 
 # ---- activations ------------------------------------------------------------------------------
@@ -303,8 +639,18 @@ def _bytes(kind, feats, precision) -> float:
     return max(0.0, sum(c[k] * feats.get(k, 0.0) for k in c))
 
 
+_LAYER_ACTS: Dict[tuple, dict] = {}
+
+
 def layer_activations(cfg: ModelConfig, pc: PlanConfig, i: int) -> dict:
     """Saved bytes of decoder layer i for one micro-batch on one rank, by part."""
+    key = (_key(cfg), pc.micro_batch_size, pc.seq_len, pc.tp, pc.sequence_parallel, pc.precision, i)
+    if key not in _LAYER_ACTS:
+        _LAYER_ACTS[key] = _layer_activations(cfg, pc, i)
+    return _LAYER_ACTS[key]
+
+
+def _layer_activations(cfg: ModelConfig, pc: PlanConfig, i: int) -> dict:
     t = pc.micro_batch_size * pc.seq_len
     t_sp = t / pc.tp if pc.sequence_parallel else t
     T, tp, prec = pc.seq_len, pc.tp, pc.precision
@@ -342,11 +688,10 @@ def head_activations(cfg: ModelConfig, pc: PlanConfig) -> float:
 
 
 def stage_memory(cfg: ModelConfig, pc: PlanConfig, stage: int) -> dict:
-    ranges = stage_layers(cfg.num_layers, pc.pp)
-    layers = ranges[stage]
+    layers = _stage_layer_list(cfg, pc, stage)
     first, last = stage == 0, stage == pc.pp - 1
     mem = _param_memory(cfg, pc, layers, first, last)
-    m_count = pc.global_batch_size // (pc.micro_batch_size * pc.dp)
+    m_count = pc.micro_batches
     in_flight = _in_flight(pc, stage, m_count)
     t = pc.micro_batch_size * pc.seq_len
     t_sp = t / pc.tp if pc.sequence_parallel else t
@@ -368,10 +713,12 @@ def stage_memory(cfg: ModelConfig, pc: PlanConfig, stage: int) -> dict:
         acts = full * in_flight
     head = head_activations(cfg, pc) if last else 0.0
     acts += head
+    n_moe = _n_moe(cfg, layers)
     moonep = 0.0
-    if pc.ep > 1 and any(cfg.is_moe_layer(i) for i in layers):
+    if pc.ep > 1 and n_moe:
         moonep = 4 * t_sp * cfg.moe.top_k * cfg.moe.latent_size * a
-    comm = 2 * pc.bucket_bytes if pc.dp > 1 or pc.edp > 1 else 0.0
+    qb = qb_figures(cfg, pc, n_moe)
+    comm = 2 * pc.bucket_bytes if pc.dp > 1 or pc.expert_dp > 1 else 0.0
     # bf16 autocast over fp32 weights caches a bf16 copy of every weight it uses during a forward
     autocast_copies = 2 * mem["local_params"] if pc.precision == "bf16" and pc.param_dtype == "fp32" else 0.0
     transient = max(biggest, head)
@@ -380,15 +727,20 @@ def stage_memory(cfg: ModelConfig, pc: PlanConfig, stage: int) -> dict:
     # they grow during backward while the activations shrink, so the peak is the larger of the two
     # ends; with gradient accumulation (or a pipeline) they are live while activations are
     fwd_peak = acts + moonep + transient + autocast_copies
-    # the ZeRO-1 bucket buffers live during reduce_gradients, after the last backward
-    working = max(fwd_peak + (mem["grads"] if m_count > 1 else 0.0), mem["grads"] + comm)
-    total = mem["params"] + mem["main_params"] + mem["optimizer_state"] + working
-    return {"stage": stage, "layers": [layers.start, layers.stop], "in_flight_micro_batches": in_flight,
+    # the ZeRO-1 bucket buffers live during reduce_gradients, after the last backward; the exact QB
+    # margins are gathered after the optimizer step (gradients released)
+    working = max(fwd_peak + (mem["grads"] if m_count > 1 else 0.0), mem["grads"] + comm, qb["transient"])
+    total = mem["params"] + mem["main_params"] + mem["optimizer_state"] + qb["persistent"] + working
+    return {"stage": stage, "layers": [[c.start, c.stop] for c in stage_chunks(cfg, pc, stage)],
+            "num_layers": len(layers), "moe_layers": n_moe, "in_flight_micro_batches": in_flight,
             "params": mem["params"], "grads": mem["grads"], "main_params": mem["main_params"],
             "optimizer_state": mem["optimizer_state"], "activations": acts,
             "activations_by_kind_per_micro_batch": by_kind, "activations_no_checkpointing": full * in_flight + head,
             "kda_states": kda_states, "moonep_buffers": moonep, "comm_buffers": comm,
-            "backward_transient": transient, "autocast_weight_copies": autocast_copies, "total": total, "local_params": mem["local_params"]}
+            "qb_stats": qb["persistent"], "qb_transient": qb["transient"], "qb_method": qb["method"],
+            "backward_transient": transient, "autocast_weight_copies": autocast_copies, "total": total,
+            "local_params": mem["local_params"], "local_dense": mem["local_dense"],
+            "local_expert": mem["local_expert"]}
 
 
 # ---- FLOPs ------------------------------------------------------------------------------------
@@ -398,10 +750,11 @@ _COUNTS: Dict[str, dict] = {}
 def _counts(cfg: ModelConfig) -> dict:
     from ..model.param_count import count_parameters
 
-    key = repr(cfg)
+    key = _key(cfg)
     if key not in _COUNTS:
         _COUNTS[key] = count_parameters(cfg)
     return _COUNTS[key]
+
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
     """Forward FLOPs per text token by part, and the training total (3x forward)."""
@@ -410,15 +763,14 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
     n_mla, n_kda = kinds.count("mla"), kinds.count("kda")
     comp = pc["components"]
     moe_active = pc["routed_experts_active"] + comp["latent_proj"] + comp["router"] + comp["shared_experts"]
-    m, k = cfg.mla, cfg.kda
     out = {
         "attention_proj": 2.0 * comp["attention"],
         "moe_active": 2.0 * moe_active,
         "dense_ffn": 2.0 * comp["dense_ffn"],
         "lm_head": 2.0 * comp["lm_head"],
         "norms_attn_res": 2.0 * comp["norms_attn_res"],
-        "mla_scores": n_mla * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * seq_len,
-        "kda_recurrence": n_kda * k.num_heads * (6 * k.head_dim ** 2 + 3 * k.chunk_size * k.head_dim),
+        "mla_scores": n_mla * _mla_scores(cfg, seq_len),
+        "kda_recurrence": n_kda * _kda_recurrence(cfg),
     }
     out["forward"] = sum(out.values())
     out["matmul_forward"] = 2.0 * pc["active"]
@@ -432,27 +784,81 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
     return out
 
 
+def _mla_scores(cfg: ModelConfig, seq_len: int) -> float:
+    m = cfg.mla
+    return m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * seq_len
+
+
+def _kda_recurrence(cfg: ModelConfig) -> float:
+    k = cfg.kda
+    return k.num_heads * (6 * k.head_dim ** 2 + 3 * k.chunk_size * k.head_dim)
+
+
+_LAYER_FLOPS: Dict[tuple, tuple] = {}
+
+
+def layer_flops_per_token(cfg: ModelConfig, seq_len: int) -> tuple:
+    """(forward FLOPs per token of each decoder layer, of the output head): 2 x the params a token
+    touches (top_k of E experts, the router bias counted as count_parameters does) + the layer's
+    MLA scores / KDA recurrence. Summed: flops_per_token()['forward'] (the embedding costs none)."""
+    key = (_key(cfg), seq_len)
+    if key not in _LAYER_FLOPS:
+        e = cfg.moe
+        per = [0.0] * cfg.num_layers
+        head = 0.0
+        for _, n, where, _, is_exp, _ in inventory(cfg):
+            touched = n * e.top_k / e.num_experts if is_exp else n
+            if where >= 0:
+                per[where] += 2.0 * touched
+            elif where == -2:
+                head += 2.0 * n
+        for name, n, where, _ in buffer_inventory(cfg):
+            if where >= 0 and name.endswith("e_score_correction_bias"):
+                per[where] += 2.0 * n
+        for i, kind in enumerate(cfg.layer_kinds()):
+            per[i] += _mla_scores(cfg, seq_len) if kind == "mla" else _kda_recurrence(cfg)
+        _LAYER_FLOPS[key] = (tuple(per), head)
+    return _LAYER_FLOPS[key]
+
+
 # ---- communication and time ----------------------------------------------------------------------
 def _ring(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
 
-def comm_per_step(cfg: ModelConfig, pc: PlanConfig, stage_mem: dict) -> dict:
+def comm_per_step(cfg: ModelConfig, pc: PlanConfig, stage: int) -> dict:
+    """Bytes one rank of pipeline stage ``stage`` sends per optimizer step, by axis (module docstring)."""
     a = 2 if pc.precision == "bf16" else 4
     pbytes = 4 if pc.param_dtype == "fp32" else 2
-    m_count = pc.global_batch_size // (pc.micro_batch_size * pc.dp)
-    layers = stage_layers(cfg.num_layers, pc.pp)[0]
-    n_layers = len(layers)
-    n_moe = sum(cfg.is_moe_layer(i) for i in layers)
+    m_count = pc.micro_batches
+    layers = _stage_layer_list(cfg, pc, stage)
+    first, last = stage == 0, stage == pc.pp - 1
+    n_layers, n_moe = len(layers), _n_moe(cfg, layers)
     t = pc.micro_batch_size * pc.seq_len
     t_sp = t / pc.tp if pc.sequence_parallel else t
-    tp = 4 * 2 * n_layers * t * cfg.hidden_size * a * _ring(pc.tp) * m_count  # 2 regions x 4 collectives
-    ep = 4 * n_moe * t_sp * cfg.moe.top_k * cfg.moe.latent_size * a * _ring(pc.ep) * m_count
-    dense, expert = stage_mem["local_dense"], stage_mem["local_expert"]
-    dp = dense * (4 + pbytes) * _ring(pc.dp) + expert * (4 + pbytes) * _ring(pc.edp)
+    d = cfg.hidden_size
+    # forward + backward, + the forward again when activation checkpointing recomputes the layer
+    passes = 3 if pc.activation_checkpointing else 2
+    tp_unit = t * d * a * _ring(pc.tp) * m_count
+    tp = 2 * passes * 2 * n_layers * tp_unit       # 2 regions x (enter + exit) per pass
+    tp += 2 * tp_unit * (first + last)               # vocab-parallel embedding / lm_head (not recomputed)
+    partial = 0
+    if pc.tp > 1:
+        for place in _places(cfg, layers, first, last):
+            partial += place["partial_attn"]
+            if pc.sequence_parallel:
+                partial += place["partial_sp"] + (place["partial_sp_expert"] if pc.ep == 1 else 0)
+    tp_sync = 2 * _ring(pc.tp) * partial * pbytes  # sync_partial_grads: one all-reduce per step
+    ep = 2 * passes * n_moe * t_sp * cfg.moe.top_k * cfg.moe.latent_size * a * _ring(pc.ep) * m_count
+    mem = _param_memory(cfg, pc, layers, first, last)
+    dp_dense = mem["local_dense"] * (4 + pbytes) * _ring(pc.dp)
+    dp_expert = mem["local_expert"] * (4 + pbytes) * _ring(pc.expert_dp)
     n_blocks = math.ceil(cfg.num_layers / cfg.attn_res_block_size)
-    pp = (2 * m_count * pc.vp * (n_blocks + 1) * t_sp * cfg.hidden_size * a) if pc.pp > 1 else 0.0
-    return {"tp": tp, "ep": ep, "dp": dp, "pp": pp, "micro_batches": m_count}
+    pp = (2 * m_count * pc.vp * (n_blocks + 1) * t_sp * d * a) if pc.pp > 1 else 0.0
+    qb = qb_figures(cfg, pc, n_moe)
+    return {"tp": tp, "tp_grad_sync": tp_sync, "ep": ep, "dp": dp_dense + dp_expert, "pp": pp, "qb": qb["comm"],
+            "dp_dense": dp_dense, "dp_expert": dp_expert, "qb_tp": qb["comm_tp"], "qb_dp": qb["comm_dp"],
+            "micro_batches": m_count, "stage": stage}
 
 
 def _in_flight(pc: PlanConfig, stage: int, m: int) -> float:
@@ -483,42 +889,84 @@ def _link(group_span: int, hw) -> float:
     return hw.nvlink_bw if group_span <= hw.gpus_per_node else hw.net_bw
 
 
+def stage_time(cfg: ModelConfig, pc: PlanConfig, hw, stage: int, comm: dict, bubble: float) -> dict:
+    """Seconds of one step as seen from pipeline stage ``stage`` (module docstring)."""
+    per, head = layer_flops_per_token(cfg, pc.seq_len)
+    layers = _stage_layer_list(cfg, pc, stage)
+    fwd_layers = sum(per[i] for i in layers)
+    fwd_head = head if stage == pc.pp - 1 else 0.0
+    train = 3.0 * (fwd_layers + fwd_head) + (fwd_layers if pc.activation_checkpointing else 0.0)
+    tokens_step = pc.global_batch_size * pc.seq_len
+    compute = train * tokens_step / (pc.world_size // pc.pp) / (hw.peak_flops(pc.precision) * hw.mfu)
+    # rank order tp fastest, then ep / dp, pp last (parallel/grid.py default 'tp-cp-ep-dp-pp'); the
+    # expert grid (etp = 1) puts ep fastest
+    t_tp = comm["tp"] / _link(pc.tp, hw)
+    t_sync = comm["tp_grad_sync"] / _link(pc.tp, hw)
+    t_ep = comm["ep"] / _link(pc.ep, hw)
+    expert_span = pc.ep * pc.edp if pc.ep > 1 else pc.tp * pc.dp
+    t_dp = (comm["dp_dense"] / _link(pc.tp * pc.dp, hw) + comm["dp_expert"] / _link(expert_span, hw)) \
+        * (1 - pc.dp_overlap)
+    t_qb = comm["qb_tp"] / _link(pc.tp, hw) + comm["qb_dp"] / _link(pc.tp * pc.dp, hw)
+    t_pp = comm["pp"] / _link(pc.world_size, hw) if pc.pp > 1 else 0.0
+    step = (compute + t_tp + t_ep + t_pp) * bubble + t_sync + t_dp + t_qb
+    return {"stage": stage, "compute_s": compute, "tp_s": t_tp, "ep_s": t_ep, "pp_s": t_pp, "bubble": bubble,
+            "tp_grad_sync_s": t_sync, "dp_exposed_s": t_dp, "qb_s": t_qb, "step_s": step}
+
+
+def trainer_overrides(pc: PlanConfig, split: bool = False) -> str:
+    """The trainer's command-line overrides for this layout and batch."""
+    out = [f"parallel.tp={pc.tp}", f"parallel.pp={pc.pp}", f"parallel.ep={pc.ep}"]
+    if pc.tp > 1:
+        out.append(f"parallel.sequence_parallel={str(pc.sequence_parallel).lower()}")
+    if pc.pp > 1 and pc.pp_schedule != "1f1b":
+        out.append(f"parallel.pp_schedule={pc.pp_schedule}")
+    if pc.vp > 1:
+        out.append(f"parallel.vp={pc.vp}")
+    if split:
+        out.append("parallel.pp_split_blocks=true")
+    out += [f"train.micro_batch_size={pc.micro_batch_size}", f"train.global_batch_size={pc.global_batch_size}",
+            f"data.seq_len={pc.seq_len}"]
+    if not pc.activation_checkpointing:
+        out.append("train.activation_checkpointing=false")
+    return " ".join(out)
+
+
 def make_plan(cfg: ModelConfig, pc: PlanConfig, hw) -> dict:
-    """Memory (worst stage), FLOPs, comm, step time, fits -- see the module docstring."""
+    """Memory (worst stage), FLOPs, comm and step time (heaviest stage), fits -- see the module docstring."""
     pc = pc.resolved()
     check_model(cfg, pc)
     stages = [stage_memory(cfg, pc, s) for s in range(pc.pp)]
     worst = max(stages, key=lambda s: s["total"])
-    mem_p = _param_memory(cfg, pc, stage_layers(cfg.num_layers, pc.pp)[0], True, pc.pp == 1)
-    comm = comm_per_step(cfg, pc, mem_p)
+    m = pc.micro_batches
+    bubble = bubble_factor(pc, m)
+    comms = [comm_per_step(cfg, pc, s) for s in range(pc.pp)]
+    times = [stage_time(cfg, pc, hw, s, comms[s], bubble) for s in range(pc.pp)]
+    slow = max(range(pc.pp), key=lambda s: times[s]["step_s"])
+    comm, t = comms[slow], dict(times[slow])
     fl = flops_per_token(cfg, pc.seq_len)
     tokens_step = pc.global_batch_size * pc.seq_len
-    recompute = 4.0 / 3.0 if pc.activation_checkpointing else 1.0
-    flops_rank = fl["train"] * recompute * tokens_step / pc.world_size
-    compute_s = flops_rank / (hw.peak_flops(pc.precision) * hw.mfu)
-    # rank order tp fastest, then ep/dp, pp last (parallel/grid.py default 'tp-cp-ep-dp-pp')
-    t_tp = comm["tp"] / _link(pc.tp, hw)
-    t_ep = comm["ep"] / _link(pc.tp * pc.ep, hw)
-    t_dp = comm["dp"] / _link(pc.tp * pc.dp, hw) * (1 - pc.dp_overlap)
-    t_pp = comm["pp"] / _link(pc.world_size, hw) if pc.pp > 1 else 0.0
-    bubble = bubble_factor(pc, comm["micro_batches"])
-    step = (compute_s + t_tp + t_ep + t_pp) * bubble + t_dp
+    step = t["step_s"]
+    t.update(tokens_per_s=tokens_step / step,
+             mfu=fl["train"] * tokens_step / pc.world_size / step / hw.peak_flops(pc.precision))
     usable = hw.memory_bytes * hw.usable_memory_fraction
+    split = pc.pp > 1 and split_blocks(cfg, pc)
     return {
         "layout": {"tp": pc.tp, "pp": pc.pp, "ep": pc.ep, "dp": pc.dp, "edp": pc.edp, "world_size": pc.world_size,
                    "sequence_parallel": pc.sequence_parallel, "micro_batch_size": pc.micro_batch_size,
                    "seq_len": pc.seq_len, "global_batch_size": pc.global_batch_size,
-                   "micro_batches": comm["micro_batches"], "activation_checkpointing": pc.activation_checkpointing,
-                   "pp_schedule": pc.pp_schedule, "vp": pc.vp,
-                   "precision": pc.precision, "param_dtype": pc.param_dtype},
+                   "global_batch_default": pc.global_batch_default, "tokens_per_step": tokens_step,
+                   "micro_batches": m, "activation_checkpointing": pc.activation_checkpointing,
+                   "pp_schedule": pc.pp_schedule, "vp": pc.vp, "pp_split_blocks": split,
+                   "stage_layers": [s["layers"] for s in stages],
+                   "precision": pc.precision, "param_dtype": pc.param_dtype, "qb_method": qb_method(cfg, pc)},
         "hardware": hw.name,
         "memory": worst, "stages": stages,
         "flops_per_token": fl,
-        "comm_bytes_per_step": {k: comm[k] for k in ("tp", "ep", "dp", "pp")},
-        "time": {"compute_s": compute_s, "tp_s": t_tp, "ep_s": t_ep, "dp_exposed_s": t_dp, "pp_s": t_pp,
-                 "bubble": bubble, "step_s": step, "tokens_per_s": tokens_step / step,
-                 "mfu": fl["train"] * tokens_step / pc.world_size / step / hw.peak_flops(pc.precision)},
+        "comm_bytes_per_step": {k: comm[k] for k in ("tp", "tp_grad_sync", "ep", "dp", "pp", "qb")},
+        "comm_stage": slow,
+        "time": t, "stage_step_s": [x["step_s"] for x in times],
         "fits": worst["total"] <= usable, "usable_memory": usable,
+        "trainer_overrides": trainer_overrides(pc, split),
     }
 
 
@@ -526,11 +974,17 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+_SEARCHES: Dict[tuple, list] = {}
+
+
 def search(cfg: ModelConfig, world_size: int, hw, top: int = 3, base: Optional[PlanConfig] = None) -> List[dict]:
-    """The `top` fitting layouts by estimated tokens/s over tp (<= one node), pp, ep and micro-batch size."""
+    """The `top` fitting layouts by estimated tokens/s over tp (<= one node), pp, ep and micro-batch
+    size, each at the global batch of ``base`` (default_global_batch() when it gives none: the same
+    rule as make_plan, so a plain plan of the winner reproduces its numbers)."""
     base = base or PlanConfig()
-    if not base.global_batch_size:  # compare layouts at one batch: 1024 sequences unless given
-        base = replace(base, global_batch_size=1024)
+    key = (_key(cfg), world_size, repr(hw), top, repr(base))
+    if key in _SEARCHES:
+        return list(_SEARCHES[key])
     found = []
     for tp in [d for d in _divisors(world_size) if d <= hw.gpus_per_node]:
         for pp in [d for d in _divisors(world_size // tp) if d <= cfg.num_layers]:
@@ -538,8 +992,7 @@ def search(cfg: ModelConfig, world_size: int, hw, top: int = 3, base: Optional[P
                 if cfg.moe.num_experts % ep or (ep > 1 and ep < tp):
                     continue
                 for mbs in (1, 2, 4):
-                    pc = replace(base, tp=tp, pp=pp, ep=ep, dp=0, world_size=world_size, micro_batch_size=mbs,
-                                 global_batch_size=base.global_batch_size)
+                    pc = replace(base, tp=tp, pp=pp, ep=ep, dp=0, world_size=world_size, micro_batch_size=mbs)
                     try:
                         p = make_plan(cfg, pc, hw)
                     except ValueError:
@@ -547,4 +1000,46 @@ def search(cfg: ModelConfig, world_size: int, hw, top: int = 3, base: Optional[P
                     if p["fits"]:
                         found.append(p)
     found.sort(key=lambda p: -p["time"]["tokens_per_s"])
-    return found[:top]
+    _SEARCHES[key] = found[:top]
+    return list(found[:top])
+
+
+def min_gpus(cfg: ModelConfig, hw, base: Optional[PlanConfig] = None, max_world: int = 2 ** 17) -> Optional[dict]:
+    """The smallest world size on which some layout fits (search()), with that layout.
+
+    Tries 1, 2, 4, ... up to one node, then node x 2^k, up to ``max_world``; from the first power of
+    two W that fits it bisects over multiples of the node size between W/2 and W (memory per rank
+    falls as ranks are added, so the bisection finds the boundary; divisibility can make a count in
+    between fail where a smaller one fits). Returns None when nothing up to max_world fits, else
+    {"world_size", "power_of_two", "plan" (the best layout there), "tried": {world: fits}}.
+    """
+    base = base or PlanConfig()
+    node = hw.gpus_per_node
+    tried: Dict[int, bool] = {}
+    best: Dict[int, dict] = {}
+
+    def fits(w: int) -> bool:
+        if w not in tried:
+            plans = search(cfg, w, hw, top=1, base=base)
+            tried[w] = bool(plans)
+            if plans:
+                best[w] = plans[0]
+        return tried[w]
+
+    w, prev = 1, 0
+    while w <= max_world and not fits(w):
+        prev, w = w, w * 2
+    if w > max_world:
+        return None
+    pow2 = w
+    lo, hi = prev, w
+    if lo >= node:
+        while hi - lo > node:
+            mid = max(node, (lo + hi) // 2 // node * node)
+            if mid <= lo or mid >= hi:
+                break
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid
+    return {"world_size": hi, "power_of_two": pow2, "plan": best[hi], "tried": dict(sorted(tried.items()))}

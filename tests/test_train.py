@@ -122,11 +122,41 @@ def test_cli_trains_and_resumes(corpus_dataset, tmp_path):
     prefix, tok = corpus_dataset
     common = [f"data.path={prefix}", f"data.tokenizer={tok}", "data.seq_len=64", "data.valid_fraction=0.1",
               f"train.run_dir={tmp_path}", "train.global_batch_size=2", "train.micro_batch_size=2",
-              "train.eval_batches=1", "optim.warmup_steps=1", "logging.progress_bar=false", f"hydra.run.dir={tmp_path}/hydra"]
+              "train.eval_batches=1", "optim.warmup_steps=1", "logging.progress_bar=false", "logging.log_interval=1",
+              f"hydra.run.dir={tmp_path}/hydra"]
     common += [f"model.{k}={v}" for k, v in SMALL_MODEL.items()]
     r = _cli(*common, "train.max_steps=2")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "validation loss:" in r.stdout and str(tmp_path) in r.stdout
+    # what an operator sees: the start-up summary, MFU in the log line, a checkpoint line, the config
+    for needle in ("M parameters", "M active per token", "layout 1 rank(s): tp 1", "tokens per step",
+                   "GFLOP per token", "| mfu ", "TFLOP/s/rank", "checkpoint step_00000002 saved:"):
+        assert needle in r.stdout, (needle, r.stdout[-3000:])
+    import yaml
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["train"]["max_steps"] == 2
     r = _cli(*common, "train.max_steps=4", "train.resume=auto")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resumed from" in r.stdout and "step_00000002" in r.stdout
+
+
+def test_nonfinite_steps_are_skipped_counted_and_never_saved(corpus_dataset, tmp_path):
+    """optim.lr=1e6: diverging steps change nothing, are counted, and the run stops with one line
+    naming the step; every checkpoint written holds only finite values."""
+    from megak3.train import checkpoint as ckpt
+    from megak3.train.shard_store import CheckpointReader
+    from megak3.train.trainer import NonFiniteError
+
+    job = make_job(corpus_dataset, tmp_path, optim_lr=1e6, max_steps=8, save_interval=1, max_nonfinite_steps=2)
+    job.optim.warmup_steps = 0
+    tr = Trainer(job, tmp_path)
+    with pytest.raises(NonFiniteError, match=r"^step \d+: the loss / gradient norm is NaN or inf \(3 such step"):
+        tr.fit()
+    assert tr.nonfinite_steps == 3
+    assert all(torch.isfinite(p).all() for p in tr.model.parameters())  # skipped steps changed nothing
+    train = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"train"' in l]
+    assert sum(r["skipped_nonfinite"] for r in train) == 3
+    for path in ckpt.list_checkpoints(tmp_path / "checkpoints"):
+        r = CheckpointReader(path)
+        for key in r.keys():
+            if r.dtype(key).is_floating_point:
+                assert torch.isfinite(r.read(key, (0,) * len(r.global_shape(key)), r.global_shape(key))).all()

@@ -24,6 +24,8 @@ _CONSOLE_FIELDS = (
     ("grad_norm", "gnorm", "{:.3f}"),
     ("tokens_per_s", "tok/s", "{:,.0f}"),
     ("step_time_ms", "step", "{:.0f}ms"),
+    ("tflops_per_rank", "TFLOP/s/rank", "{:.3f}"),
+    ("mfu", "mfu", "{:.1%}"),
     ("peak_memory_mb", "mem", "{:,.0f}MB"),
     ("expert_load_max_violation", "maxvio", "{:.3f}"),
 )

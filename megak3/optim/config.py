@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SCHEDULES = ("cosine", "wsd", "constant")
+MAX_LR = 1e6
+"""largest accepted peak learning rate: a run that diverges is caught by train.nonfinite; far larger
+values (1e38) overflow the fp32 update itself"""
 
 
 @dataclass
@@ -53,20 +56,20 @@ class OptimConfig:
             if not ok:
                 raise ValueError(f"optim.{field}={getattr(self, field)!r} {rule}")
 
-        need(self.lr > 0, "lr", "must be > 0")
+        need(0 < self.lr <= MAX_LR, "lr", f"must be in (0, {MAX_LR:g}] (typical: 1e-4 to 1e-2)")
         need(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
-        need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        need(0 <= self.weight_decay <= 1e3, "weight_decay", "must be in [0, 1000] (typical: 0.1)")
         need(0.0 <= self.muon_momentum < 1.0, "muon_momentum", "must be in [0, 1)")
-        need(isinstance(self.ns_steps, int) and self.ns_steps >= 1, "ns_steps", "must be an int >= 1")
+        need(isinstance(self.ns_steps, int) and 1 <= self.ns_steps <= 100, "ns_steps", "must be an int in [1, 100]")
         need(0.0 <= self.adam_beta1 < 1.0, "adam_beta1", "must be in [0, 1)")
         need(0.0 <= self.adam_beta2 < 1.0, "adam_beta2", "must be in [0, 1)")
-        need(self.adam_eps > 0, "adam_eps", "must be > 0")
+        need(0 < self.adam_eps < 1, "adam_eps", "must be in (0, 1) (typical: 1e-8)")
         need(self.ns_dtype in ("bfloat16", "float32"), "ns_dtype", "must be 'bfloat16' or 'float32'")
         need(self.schedule in SCHEDULES, "schedule", f"must be one of {SCHEDULES}")
         need(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps",
              "must be an int >= 0")
         need(0.0 < self.decay_fraction <= 1.0, "decay_fraction", "must be in (0, 1]")
-        need(self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")
+        need(0 <= self.grad_clip < float("inf"), "grad_clip", "must be a finite number >= 0 (0 disables clipping)")
         if max_steps is None:
             return self
         if max_steps <= 0:

@@ -47,12 +47,16 @@ class TrainConfig:
     """complete checkpoints kept on disk (older ones are pruned)"""
     async_save: bool = False
     """checkpoint in the background: copy the shards to host memory, keep training while they are written"""
+    nonfinite: str = "skip"
+    """a step whose global gradient norm (hence loss) is NaN/inf: 'skip' it (no update, counted) or 'stop'"""
+    max_nonfinite_steps: int = 10
+    """with nonfinite=skip: stop with an error once more than this many steps were skipped"""
     resume: str = "none"
     """'none', 'auto' (newest complete checkpoint in run_dir/checkpoints) or a checkpoint directory"""
     run_dir: Optional[str] = None
     """where metrics, checkpoints and the wandb run go; default: Hydra's output directory"""
     threads: int = 0
-    """torch intra-op threads on CPU (0: torch's default)"""
+    """torch intra-op threads per rank (0: the cores this process may use / ranks on this node, at least 1)"""
 
     def validate(self) -> "TrainConfig":
         def need(ok, f, rule):
@@ -69,6 +73,8 @@ class TrainConfig:
         for f in ("eval_interval", "eval_batches", "save_interval", "threads"):
             need(getattr(self, f) >= 0, f, "must be >= 0")
         need(self.keep_last >= 1, "keep_last", "must be >= 1")
+        need(self.nonfinite in ("skip", "stop"), "nonfinite", "must be 'skip' or 'stop'")
+        need(self.max_nonfinite_steps >= 0, "max_nonfinite_steps", "must be >= 0")
         return self
 
 
@@ -100,10 +106,20 @@ class JobConfig:
         self.optim.validate(self.train.max_steps)
         self.logging.validate()
         self.quant.validate()
+        for axis, name in (("cp", "context"), ("etp", "expert tensor")):  # the grid has them, the trainer not yet
+            if isinstance(getattr(self.parallel, axis), int) and getattr(self.parallel, axis) > 1:
+                raise ValueError(f"parallel.{axis}={getattr(self.parallel, axis)}: {name} parallelism is not built "
+                                 f"yet; set parallel.{axis}=1")
         self.parallel.validate(world_size, self.model)
         self.moonep.validate(self.model.moe.num_experts, self.parallel.ep)
         par, t = self.parallel, self.train
         check_expert_tp(par.ep, par.tp, par.sequence_parallel)
+        if par.sequence_parallel and par.tp > 1 and self.data.seq_len % par.tp:
+            raise ValueError(f"data.seq_len={self.data.seq_len} must be a multiple of parallel.tp={par.tp} "
+                             "with parallel.sequence_parallel=true")
+        if self.data.path == "demo" and self.data.vocab_size > self.model.vocab_size:
+            raise ValueError(f"data.vocab_size={self.data.vocab_size} exceeds model.vocab_size={self.model.vocab_size}; "
+                             "lower data.vocab_size or raise model.vocab_size")
         rows = t.micro_batch_size * par.resolved_dp(world_size)
         if par.pp > 1 and t.global_batch_size % rows == 0:  # the schedule against the step's micro-batches
             from parallel.pipeline.schedules import check_schedule

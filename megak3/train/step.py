@@ -9,7 +9,9 @@ engine, QAT hooks, the ZeRO-1 optimizer and the Quantile-Balancing accumulators.
     accumulate(micro_batches)   forward/backward of the step's micro-batches (or the pipeline
                                 schedule), TP partial-gradient sums; device tensors out, no host sync
     apply(step, max_steps)      ZeRO-1 reduce-scatter, global-norm clip, Muon/AdamW, all-gather,
-                                then the QB bias update from the step's router statistics
+                                then the QB bias update from the step's router statistics; a
+                                step whose global gradient norm is NaN/inf changes nothing
+                                (``skipped``)
 
 Loss contract: each micro-batch backpropagates ``loss_sum / step_tokens`` where step_tokens is the
 step's labelled-token count over the data-parallel group, so gradients are sums over
@@ -123,12 +125,21 @@ class RankStep:
 
     def apply(self, step: int, max_steps: int) -> dict:
         """Reduce over DP, clip by the global norm, Muon/AdamW step at the LR of ``step`` (0-based),
-        then the Quantile-Balancing update. Returns ``lr`` and ``grad_norm`` (a device tensor)."""
+        then the Quantile-Balancing update. Returns ``lr``, ``grad_norm`` (a device tensor) and
+        ``skipped``: True when the norm is NaN/inf, in which case gradients and QB statistics are
+        dropped and no parameter, optimizer state or bias changes."""
         job, opt = self.job, self.optimizer
         opt.reduce_gradients()
         clip = job.optim.grad_clip
         gnorm = opt.clip_grad_norm_(clip if clip > 0 else float("inf"))
         lr = lr_at(step, job.optim, max_steps)
+        # the global norm is identical on every rank, and a NaN/inf loss makes it NaN/inf: one flag,
+        # read on the host once (clip_grad_norm_ already synchronises on its boolean mask)
+        if not bool(torch.isfinite(gnorm)):
+            opt.zero_grad(set_to_none=True)
+            for acc in self.balancers:
+                acc.reset()
+            return {"lr": lr, "grad_norm": gnorm, "skipped": True}
         set_lr(opt, lr)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -139,7 +150,7 @@ class RankStep:
                 bias = m.gate.e_score_correction_bias
                 bias.copy_(acc.solve(bias))
                 acc.reset()
-        return {"lr": lr, "grad_norm": gnorm}
+        return {"lr": lr, "grad_norm": gnorm, "skipped": False}
 
 
 def build_rank(job: JobConfig, ps: Optional[ParallelState] = None, device="cpu",

@@ -13,7 +13,7 @@ the batch is split. Quantile-Balancing biases are updated once per optimizer ste
 """
 from __future__ import annotations
 
-import math
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -36,6 +36,7 @@ from ..model.balancing import max_violation
 from ..model.k3 import K3Model
 from . import checkpoint as ckpt
 from . import shard_store as ckpt_store
+from . import summary
 from .step import RankStep, all_reduce_sum
 from .config import JobConfig
 
@@ -46,6 +47,10 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name)
+
+
+class NonFiniteError(ValueError):
+    """Training stopped on NaN/inf steps (train.nonfinite / train.max_nonfinite_steps)."""
 
 
 class Trainer:
@@ -91,6 +96,8 @@ class Trainer:
                                   t.micro_batch_size, ps.dp_rank, ps.dp_size)
         self._valid_packed = PackedDataset(dataset, d.seq_len, "valid", d.valid_fraction, d.seed, pad)
         self.dataset_prefix = prefix
+        self.dataset_tokens = dataset.num_tokens
+        self.flops_per_token = summary.train_flops_per_token(job.model, d.seq_len)
 
         torch.manual_seed(t.seed)
         # the model: built on the meta device, parallelized (one plan), only this rank's shards
@@ -101,11 +108,15 @@ class Trainer:
         self.plan: ParallelPlan = rs.plan
         self.engine, self.optimizer, self.balancers = rs.engine, rs.optimizer, rs.balancers
         self.load_recorder = rs.load_recorder
+        self.peak = summary.peak_flops_per_rank(self.device, t.precision)
+        """(peak FLOP/s of this rank, its source) for MFU, or None"""
         self.checkpointer = ckpt_store.ShardedCheckpointer(self.ckpt_dir, ps.rank, ps.world_size,
                                                            keep_last=t.keep_last, async_save=t.async_save)
         self.step = 0
         self.history: list[dict] = []
         self._pending: list[dict] = []  # per-step device metrics not yet reduced and logged
+        self.nonfinite_steps = 0
+        """steps skipped so far because their gradient norm was NaN/inf (saved in checkpoints)"""
 
     def _resolve_data(self):
         # rank 0 builds the demo dataset once; the others wait and then open the cached copy
@@ -154,13 +165,26 @@ class Trainer:
         if self.rank == 0:
             common = {"step": self.step, "train_data": self.train_data.state_dict(),
                       "rng": ckpt.capture_rng_state(), "world_size": ps.world_size,
-                      "threads": torch.get_num_threads(),
+                      "threads": torch.get_num_threads(), "nonfinite_steps": self.nonfinite_steps,
                       "layout": {"tp": ps.tp_size, "dp": ps.dp_size, "ep": ps.ep_size, "pp": ps.pp_size,
                                  "vp": self.job.parallel.vp, "sequence_parallel": self.sequence_parallel}}
             meta = {"step": self.step, "dataset": str(self.dataset_prefix), "config": self.config_dict}
         self.checkpointer.save(self.step, entries, objects=objects, common=common, meta=meta)
         if not self.job.train.async_save and ps.world_size > 1:
             dist.barrier()  # nobody reads the checkpoint directory before it is complete
+
+    def _save_and_report(self, logger) -> None:
+        """Save, then one line on rank 0: bytes this rank wrote and seconds (async: the snapshot)."""
+        t0 = time.perf_counter()
+        self.save()
+        dt = time.perf_counter() - t0
+        name = ckpt.step_dirname(self.step)
+        if self.job.train.async_save:
+            logger.write(f"checkpoint {name}: snapshot taken in {dt:.2f} s, writing in the background")
+        else:
+            st = self.checkpointer.last_save_stats
+            logger.write(f"checkpoint {name} saved: {st['bytes'] / 2 ** 20:,.1f} MiB written by rank 0 "
+                         f"(of {self.ps.world_size} rank(s)) in {dt:.2f} s")
 
     def wait_for_checkpoint(self) -> None:
         """Block until a background save has been written and committed."""
@@ -211,6 +235,7 @@ class Trainer:
         self.train_data.load_state_dict(common["train_data"])
         ckpt.restore_rng_state(common["rng"])
         self.step = int(common["step"])
+        self.nonfinite_steps = int(common.get("nonfinite_steps", 0))
         saved_threads = common.get("threads")
         if saved_threads is not None and saved_threads != torch.get_num_threads() and self.rank == 0:
             print(f"warning: checkpoint was written with {saved_threads} torch threads, resuming with "
@@ -281,15 +306,31 @@ class Trainer:
         out = []
         for p, (loss_sum, tokens, mv_sum, mv_n, g) in zip(pend, host):
             out.append({"step": p["step"], "loss": loss_sum / max(tokens, 1.0), "lr": p["lr"], "grad_norm": g,
-                        "expert_load_max_violation": mv_sum / mv_n if mv_n else 0.0})
+                        "expert_load_max_violation": mv_sum / mv_n if mv_n else 0.0,
+                        "skipped_nonfinite": int(p["skipped"])})
         return out
 
     def train_step(self) -> dict:
-        """One optimizer step; its metrics stay on the device until :meth:`flush_metrics`."""
+        """One optimizer step; its metrics stay on the device until :meth:`flush_metrics`.
+
+        A step with a NaN/inf global gradient norm changes nothing and is counted; under
+        ``train.nonfinite=stop``, or past ``train.max_nonfinite_steps`` such steps, the run stops
+        with :class:`NonFiniteError` (one line, naming the step)."""
         rec = self.accumulate_gradients(self.next_micro_batches())
         rec.update(self.optimizer_step())
         rec["step"] = self.step
         self._pending.append(rec)
+        if rec["skipped"]:
+            t, o = self.job.train, self.job.optim
+            self.nonfinite_steps += 1
+            if t.nonfinite == "stop" or self.nonfinite_steps > t.max_nonfinite_steps:
+                why = ("train.nonfinite=stop" if t.nonfinite == "stop" else
+                       f"more than train.max_nonfinite_steps={t.max_nonfinite_steps} skipped")
+                raise NonFiniteError(
+                    f"step {self.step}: the loss / gradient norm is NaN or inf ({self.nonfinite_steps} such "
+                    f"step(s), {why}); the run diverged: lower optim.lr={o.lr:g}, raise "
+                    f"optim.warmup_steps={o.warmup_steps} or set optim.grad_clip (no checkpoint holds "
+                    "a non-finite value)")
         return rec
 
     def _expert_load_window(self) -> dict:
@@ -337,6 +378,11 @@ class Trainer:
         logger = TrainLogger(self.run_dir, job.logging, t.max_steps, rank=self.rank,
                              config_dict=self.config_dict, start_step=self.step)
         gpu = GPUTelemetry(verbose=self.rank == 0) if job.logging.nvml and self.device.type == "cuda" else None
+        config_path = summary.save_config(self.run_dir, self.config_dict) if self.rank == 0 else None
+        for line in summary.startup_lines(job, self.ps, self.plan, self.model, self.run_dir, self.dataset_prefix,
+                                          self.dataset_tokens, self.grad_accum, self.flops_per_token, self.peak,
+                                          config_path):
+            logger.write(line)
         if resumed is not None:
             logger.write(f"resumed from {resumed} at step {self.step}")
         self.first_val = self.final_val = self.evaluate()
@@ -358,13 +404,14 @@ class Trainer:
         records = self.flush_metrics()
         for i, m in enumerate(records):
             step = m.pop("step")
-            if not math.isfinite(m["loss"]):
-                logger.close()
-                raise FloatingPointError(f"loss is {m['loss']} at step {step}; lower optim.lr or "
-                                         "use train.precision=fp32")
+            if m["skipped_nonfinite"]:
+                logger.write(f"step {step}: loss {m['loss']:.4g}, grad norm {m['grad_norm']:.4g}: not finite, "
+                             f"step skipped ({self.nonfinite_steps} so far)")
             self.history.append({"step": step, "loss": m["loss"]})
             if i == len(records) - 1:  # window figures go with the window's last step
                 m.update(clock.step(window_tokens, window_steps))
+                m.update(summary.throughput_metrics(m["tokens_per_s"], self.flops_per_token, self.ps.world_size,
+                                                    self.peak))
                 m["peak_memory_mb"] = peak_memory_mb()
                 m.update(self._expert_load_window())
                 if gpu is not None:
@@ -376,7 +423,12 @@ class Trainer:
         job, t = self.job, self.job.train
         window_tokens, window_steps = 0, 0
         while self.step < t.max_steps:
-            rec = self.train_step()
+            try:
+                rec = self.train_step()
+            except NonFiniteError:
+                self._log_window(logger, gpu, clock, window_tokens, 1)
+                logger.close()
+                raise
             window_tokens += rec.pop("tokens")
             window_steps += 1
             boundary = self.step == t.max_steps
@@ -390,12 +442,12 @@ class Trainer:
                 logger.log_eval(self.step, {"val_loss": self.final_val})
                 clock.reset()
             if saved:
-                self.save()
+                self._save_and_report(logger)
                 clock.reset()
             if preempt.requested():  # collective: every rank asks at every step, all agree
                 self._log_window(logger, gpu, clock, window_tokens, window_steps)
                 if not saved:
-                    self.save()
+                    self._save_and_report(logger)
                 self.wait_for_checkpoint()
                 logger.write(f"preempted by {preempt.signal_name} at step {self.step}: checkpoint saved")
                 logger.close()

@@ -1,4 +1,6 @@
-"""Layout-free sharded training state: what each rank saves, and how any layout reads it back.
+"""The OLDER per-rank-part checkpoint format (``megak3.part.v2``), kept to read such checkpoints:
+``tools/convert_checkpoint.py`` merges them and writes the per-shard format of
+:mod:`megak3.train.shard_store`, which the trainer reads and writes now.
 
 Every tensor a rank saves is tagged with its relation to the full single-process tensor of the
 same canonical name:

@@ -40,7 +40,7 @@ from megak3.model.mla import GatedMLA
 
 from .plan import ParallelPlan, Shard, canonical_name
 from .tensor_parallel import collectives as C
-from .tensor_parallel.layers import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from .tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
 @dataclass
@@ -58,7 +58,7 @@ class TPPlan:
 def _chunk(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     if t.shape[dim] % size:
         raise ValueError(f"cannot split dim {dim} of size {t.shape[dim]} into {size} tensor-parallel shards")
-    return t.chunk(size, dim=dim)[rank].contiguous()
+    return t.chunk(size, dim=dim)[rank].clone(memory_format=torch.contiguous_format)  # own storage only
 
 
 class TPRegion(nn.Module):
@@ -101,7 +101,9 @@ def _shard_param(module: nn.Module, pname: str, dim: int, rank: int, size: int) 
 
 
 def _shard_linear(lin: nn.Linear, dim: int, rank: int, size: int) -> None:
-    """dim 0: column-parallel (output rows); dim 1: row-parallel (input columns)."""
+    """dim 0: column-parallel (output rows); dim 1: row-parallel (input columns). Bias-free only."""
+    if lin.bias is not None:
+        raise ValueError("tensor parallelism shards bias-free linears only (every K3 linear is bias-free)")
     _shard_param(lin, "weight", dim, rank, size)
     if dim == 0:
         lin.out_features //= size

@@ -1,8 +1,11 @@
 """Tensor + sequence parallel building blocks (see docs/PARALLEL.md).
 
 ``collectives``: the autograd-aware TP/SP mappings (the only home of these collectives) and a
-collective counter; ``layers``: column/row-parallel linears, vocab-parallel embedding and cross
-entropy. Every function takes its process group explicitly; ``None`` or size 1 = no-op.
+collective counter; ``vocab``: vocabulary-parallel embedding and cross entropy. Every function
+takes its process group explicitly; ``None`` or size 1 = no-op. The linear layers are not here:
+:mod:`parallel.parallelize` shards plain ``nn.Linear`` layers in place and wraps each attention /
+FFN module in a ``TPRegion`` (enter: copy_to_tp or gather_from_sp; exit: reduce_from_tp or
+reduce_scatter_to_sp).
 """
 from .collectives import (
     CollectiveCounter,
@@ -17,19 +20,10 @@ from .collectives import (
     scatter_to_tp,
     sync_replicated_grads,
 )
-from .layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    partial_grad_parameters,
-    shard_cols,
-    shard_rows,
-    vocab_parallel_cross_entropy,
-)
+from .vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 __all__ = [
     "CollectiveCounter", "copy_to_tp", "gather_from_sp", "gather_from_tp", "group_rank", "group_size",
     "reduce_from_tp", "reduce_scatter_to_sp", "scatter_to_sp", "scatter_to_tp", "sync_replicated_grads",
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "partial_grad_parameters",
-    "shard_cols", "shard_rows", "vocab_parallel_cross_entropy",
+    "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
 ]

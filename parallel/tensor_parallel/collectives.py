@@ -28,7 +28,7 @@ test process group, so no all-reduce-and-chunk emulation is needed. Both collect
 leading axis, so a gather along ``dim`` moves ``dim`` to the front, gathers, and moves it back
 (concatenation along dim 0 of the moved tensors is concatenation along ``dim`` of the originals).
 
-Replicated parameters with partial gradients (norm weights under SP, a row-parallel bias under SP):
+Replicated parameters with partial gradients (e.g. norm weights under SP):
 each TP rank sees only its token chunk, so after backward call :func:`sync_replicated_grads` on
 them (one flat all-reduce per dtype).
 
@@ -265,7 +265,7 @@ def reduce_scatter_to_sp(x: torch.Tensor, group: Group, dim: int = 1) -> torch.T
 # --------------------------------------------------------------------------- replicated grads
 def sync_replicated_grads(params: Iterable[torch.nn.Parameter], group: Group) -> None:
     """Sum over ``group`` the ``.grad`` of parameters every TP rank holds whole but applies to
-    only part of the tokens (norm weights and row-parallel biases under sequence parallelism).
+    only part of the tokens (e.g. norm weights under sequence parallelism).
 
     Call after backward, before the optimizer / data-parallel reduction. Parameters without a
     grad are skipped (every rank must skip the same ones). One flat all-reduce per dtype.

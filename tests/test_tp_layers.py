@@ -332,7 +332,9 @@ def test_shard_linear_keeps_whole_head_blocks():
         _shard_mla(full, 0, 4)
     assert all(torch.equal(a, b) for a, b in zip(full.parameters(), untouched.parameters()))
     with pytest.raises(ValueError, match="cannot split dim 0 of size 6 into 4"):
-        _shard_linear(nn.Linear(5, 6), 0, 0, 4)
+        _shard_linear(nn.Linear(5, 6, bias=False), 0, 0, 4)
+    with pytest.raises(ValueError, match="bias-free linears only"):
+        _shard_linear(nn.Linear(4, 8), 0, 0, 2)
     for tp in (2, 3):
         shards = []
         for r in range(tp):

@@ -20,7 +20,7 @@ from ..config import ModelConfig
 from .attn_res import AttnResMix
 from .ffn import SiTUGLUMLP
 from .kda import KimiDeltaAttention
-from .mla import GatedMLA, attention_mask
+from .mla import GatedMLA
 from .moe import LatentMoE, MoEStats
 from .norm import RMSNorm
 from .seqinfo import SeqInfo, make_seq_info
@@ -60,14 +60,14 @@ class K3DecoderLayer(nn.Module):
         else:
             self.mlp = SiTUGLUMLP(d, cfg.dense_intermediate_size, cfg.situ_beta1, cfg.situ_beta2)
 
-    def forward(self, partial: torch.Tensor, blocks: Blocks, seq: SeqInfo, mask=None):
+    def forward(self, partial: torch.Tensor, blocks: Blocks, seq: SeqInfo):
         """One decoder layer on the AttnRes depth state; returns (partial, blocks, moe_stats|None)."""
         h = partial if not blocks else self.attn_res(partial, blocks)
         if self.layer_idx % self.block_size == 0:  # block boundary: commit the finished block
             blocks = blocks + (partial,)
             partial = None
         x = self.input_layernorm(h)
-        a = self.self_attn(x, seq) if self.kind == "kda" else self.self_attn(x, seq, mask)
+        a = self.self_attn(x, seq)
         partial = a if partial is None else partial + a
         x = self.post_attention_layernorm(self.mlp_res(partial, blocks))
         stats = None
@@ -118,14 +118,14 @@ class K3Model(nn.Module):
                                     self.config.media_placeholder_token_id)
         return x
 
-    def run_layers(self, layers, partial, blocks: Blocks, seq: SeqInfo, mask=None):
+    def run_layers(self, layers, partial, blocks: Blocks, seq: SeqInfo):
         stats: List[MoEStats] = []
         for layer in layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                partial, blocks, st = checkpoint(_call_layer, layer, partial, seq, mask, *blocks,
+                partial, blocks, st = checkpoint(_call_layer, layer, partial, seq, *blocks,
                                                  use_reentrant=False, context_fn=checkpoint_contexts)
             else:
-                partial, blocks, st = layer(partial, blocks, seq, mask)
+                partial, blocks, st = layer(partial, blocks, seq)
             if st is not None:
                 stats.append(st)
         return partial, blocks, stats
@@ -142,11 +142,10 @@ class K3Model(nn.Module):
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.config.max_seq_len}")
         seq = make_seq_info(B, T, cu_seqlens, input_ids.device)
-        mask = attention_mask(seq, input_ids.device) if self.has_mla else None
         x = self.embed(input_ids, images)
         if self.sequence_shard is not None:
             x = self.sequence_shard(x)
-        partial, blocks, stats = self.run_layers(self.layers, x, (), seq, mask)
+        partial, blocks, stats = self.run_layers(self.layers, x, (), seq)
         logits = self.head(partial, blocks)
         loss = loss_sum = None
         n = 0
@@ -157,8 +156,8 @@ class K3Model(nn.Module):
         return K3Output(loss, loss_sum, n, logits if keep else None, stats)
 
 
-def _call_layer(layer, partial, seq, mask, *blocks):
-    return layer(partial, tuple(blocks), seq, mask)
+def _call_layer(layer, partial, seq, *blocks):
+    return layer(partial, tuple(blocks), seq)
 
 
 def token_loss_sum(logits_BTV: torch.Tensor, labels_BT: torch.Tensor):

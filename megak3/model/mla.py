@@ -2,28 +2,26 @@
 
 Queries and keys/values pass through low-rank latents with RMSNorms; the 64-wide "rope" slot is
 kept but never rotated (K3 is NoPE: position comes only from KDA). A full-rank sigmoid gate on the
-same normed input scales the attention output before o_proj. Softmax in fp32; per-document
-causal mask for packed sequences.
+same normed input scales the attention output before o_proj. Softmax in fp32; packed sequences attend
+causally within their own document (``megak3.ops.attention.attention`` with the per-token document
+ids from SeqInfo; no [T, T] mask is built).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..ops.attention import DEFAULT_K_CHUNK, DEFAULT_Q_CHUNK, attention
 from .norm import RMSNorm
 from .seqinfo import SeqInfo
 
 
-def attention_mask(seq: SeqInfo, device) -> torch.Tensor | None:
-    """[B, 1, T, T] bool mask: causal and same-document; None means plain causal."""
-    if not seq.packed:
+def document_ids(seq: SeqInfo, device) -> torch.Tensor | None:
+    """[B, T] document id per token when some row holds more than one document, else None."""
+    if not seq.packed or seq.cu_seqlens.numel() - 1 == seq.batch:  # one document per row
         return None
-    doc = seq.doc_ids_BT.to(device)
-    T = seq.seqlen
-    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    return (doc[:, :, None] == doc[:, None, :]).logical_and(causal).unsqueeze(1)
+    return seq.doc_ids_BT.to(device)
 
 
 class GatedMLA(nn.Module):
@@ -43,11 +41,13 @@ class GatedMLA(nn.Module):
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
         self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
+        self.q_chunk, self.k_chunk = DEFAULT_Q_CHUNK, DEFAULT_K_CHUNK  # tokens per chunk (chunked path)
 
     def per_head_params(self) -> dict:
         return {"q_b_proj.weight": self.num_heads, "kv_b_proj.weight": self.num_heads}
 
-    def forward(self, x_BTD: torch.Tensor, seq: SeqInfo, mask=None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+        """Causal attention within each document of ``seq`` (no [T, T] mask is materialised)."""
         B, T, _ = x_BTD.shape
         H = self.num_heads
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))).view(B, T, H, self.q_head_dim)
@@ -57,12 +57,8 @@ class GatedMLA(nn.Module):
         # NoPE: the shared k_pe slot is broadcast over heads un-rotated (MQA-style).
         k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(B, T, H, self.rope)], dim=-1)
         q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))  # [B, H, T, *], fp32 softmax
-        if mask is None and seq.packed:
-            mask = attention_mask(seq, x_BTD.device)
-        if mask is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
+        o = attention(q, k, v, self.softmax_scale, document_ids(seq, x_BTD.device),
+                      q_chunk=self.q_chunk, k_chunk=self.k_chunk)
         o = o.transpose(1, 2).reshape(B, T, H * self.v_dim)
         o = o * torch.sigmoid(self.g_proj(x_BTD).float())
         return self.o_proj(o.to(x_BTD.dtype))

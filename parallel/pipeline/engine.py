@@ -9,7 +9,7 @@ block's partial sum and every committed block sum. A stage starting at layer s r
 ``ceil(s / block_size)`` blocks plus the partial, all ``[B, T/sp, D]``; the shapes follow from the
 partition and the micro-batch shape, so no shape handshake precedes a transfer. Packed-sequence
 metadata (``cu_seqlens``) is not sent: every stage reads its micro-batch from the (identical) data
-stream and builds the per-document masks itself, which keeps the payload fixed-shape.
+stream and derives the per-document structure itself, which keeps the payload fixed-shape.
 
 Execution. Every rank builds the whole schedule (all ranks' action lists, schedules.py) and runs its
 own list in order: F, B (with ``zb_h1`` only the input gradients: megak3/ops/weight_grad.py defers
@@ -37,8 +37,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from megak3.model.mla import attention_mask
-from megak3.model.seqinfo import make_seq_info
+from megak3.model.seqinfo import SeqInfo, make_seq_info
 from megak3.ops.weight_grad import WeightGradStore
 
 from .schedules import SCHEDULES, Action, build_schedule, check_schedule, splits_weight_grad
@@ -274,10 +273,9 @@ class PipelineEngine:
         model, mb, v = self.model, self._mbs[i], self._v(c)
         t0 = time.perf_counter()
         ids = mb["input_ids"]
-        if i not in self._seq:  # per-document structure and mask, shared by this rank's chunks
-            seq = make_seq_info(*ids.shape, mb.get("cu_seqlens"), ids.device)
-            self._seq[i] = (seq, attention_mask(seq, ids.device) if model.has_mla else None)
-        seq, mask = self._seq[i]
+        if i not in self._seq:  # per-document structure, shared by this rank's chunks
+            self._seq[i] = make_seq_info(*ids.shape, mb.get("cu_seqlens"), ids.device)
+        seq = self._seq[i]
         if v == 0:
             x = model.embed(ids, mb.get("images"))
             if model.sequence_shard is not None:
@@ -285,7 +283,7 @@ class PipelineEngine:
             partial, blocks = x, ()
         else:
             partial, blocks = inputs[0], tuple(inputs[1:])
-        partial, blocks, stats = model.run_layers(self.modules[c], partial, blocks, seq, mask)
+        partial, blocks, stats = model.run_layers(self.modules[c], partial, blocks, seq)
         if v == self.V - 1:
             loss_sum, _ = model.loss_fn(model.head(partial, blocks), mb["labels"])
             out = (loss_sum,)
@@ -311,7 +309,7 @@ class PipelineEngine:
         param = next(self.model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self._mbs = micro_batches
-        self._seq: Dict[int, tuple] = {}
+        self._seq: Dict[int, SeqInfo] = {}
         self.trace = []
         self.p2p_bytes_per_mb = {"F": 0, "B": 0}
         self._plan_messages(schedule)

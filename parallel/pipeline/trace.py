@@ -64,7 +64,7 @@ class SyntheticStack(nn.Module):
     def embed(self, ids, images=None):
         return self.embed_tokens(ids)
 
-    def run_layers(self, layers, partial, blocks, seq, mask=None):
+    def run_layers(self, layers, partial, blocks, seq):
         for layer in layers:  # the AttnRes payload rule: layer 0 commits the embedding as block 0
             if layer.index % self.config.attn_res_block_size == 0:
                 blocks = (*blocks, partial)

@@ -1,0 +1,257 @@
+"""Causal, same-document softmax attention with memory linear in T (MLA's attention core).
+
+A query at token t of row b attends to the key at token s of the same row iff ``s <= t`` and
+``doc_ids_BT[b, s] == doc_ids_BT[b, t]`` (without ``doc_ids_BT``: iff ``s <= t``). Shapes:
+
+    q_BHTK  [B, H, T, K]   queries
+    k_BHTK  [B, H, T, K]   keys
+    v_BHTV  [B, H, T, V]   values
+    doc_ids_BT [B, T]      integer document id per token, or None (one document per row)
+    returns o_BHTV [B, H, T, V] in q's dtype
+
+``chunked_attention`` is flash-style: it loops over query chunks and key chunks with an online softmax
+(fp32 running max and sum, fp32 output accumulator), so every temporary is at most
+``[B, H, q_chunk, k_chunk]``. Chunk pairs whose keys are all in the future of the query chunk, or whose
+document-id ranges do not overlap in any row, are skipped; the visibility plan (a host-side list of
+at most (T / q_chunk) * (T / k_chunk) pairs) is computed once per call from per-chunk min/max
+document ids (one small device-to-host copy). Its backward (a custom
+``torch.autograd.Function``) saves q, k, v, the output and the per-row fp32 logsumexp, and recomputes
+the probabilities chunk pair by chunk pair, so forward and backward both use O(T) memory.
+
+``reference_attention`` is the dense masked fp32 softmax (O(T^2) memory), the twin for tests.
+
+``attention`` is the entry point: without document ids it calls
+``F.scaled_dot_product_attention(is_causal=True)`` on any device (its CPU and CUDA flash kernels keep
+memory linear in T); on CUDA with document ids it calls a compiled
+FlexAttention with a document block mask when ``torch.nn.attention.flex_attention`` imports (this path
+has not been run by the tests: they run on CPU; if it raises, a warning is issued once and the chunked
+path is used from then on); with document ids elsewhere it calls ``chunked_attention``.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_Q_CHUNK = 256
+DEFAULT_K_CHUNK = 256
+
+# one entry per visible chunk pair: (other chunk index, needs the causal mask, needs the document mask)
+_Pairs = List[Tuple[int, bool, bool]]
+
+
+def reference_attention(q_BHTK, k_BHTK, v_BHTV, scale: float, doc_ids_BT: Optional[torch.Tensor] = None):
+    """Dense twin: ``softmax(q k^T * scale + mask) v`` with a ``[B, 1, T, T]`` causal/document mask, in
+    fp32 (fp64 for fp64 inputs)."""
+    T = q_BHTK.shape[2]
+    ct = torch.promote_types(q_BHTK.dtype, torch.float32)
+    s = torch.matmul(q_BHTK.to(ct), k_BHTK.to(ct).transpose(-1, -2)) * scale
+    allowed = torch.ones(T, T, dtype=torch.bool, device=q_BHTK.device).tril()
+    if doc_ids_BT is not None:
+        allowed = allowed & (doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]).unsqueeze(1)
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+    return torch.matmul(p, v_BHTV.to(ct)).to(q_BHTK.dtype)
+
+
+def _chunk_minmax(doc_BT: torch.Tensor, c: int):
+    """Per-chunk (min, max) document id, each [B, ceil(T / c)]."""
+    B, T = doc_BT.shape
+    pad = -T % c
+    if pad:  # repeating the last id leaves every chunk's min and max unchanged
+        doc_BT = torch.cat([doc_BT, doc_BT[:, -1:].expand(B, pad)], dim=1)
+    d = doc_BT.view(B, -1, c)
+    return d.amin(-1), d.amax(-1)
+
+
+class _Plan:
+    """Which (query chunk, key chunk) pairs have any allowed entry, and which masks each needs."""
+
+    def __init__(self, T: int, q_chunk: int, k_chunk: int, doc_BT: Optional[torch.Tensor]):
+        self.T, self.qc, self.kc = T, q_chunk, k_chunk
+        qs = torch.arange(0, T, q_chunk)
+        ks = torch.arange(0, T, k_chunk)
+        qe, ke = (qs + q_chunk).clamp(max=T), (ks + k_chunk).clamp(max=T)
+        visible = ks[None, :] <= (qe - 1)[:, None]           # [nq, nk]: some key not in the future
+        need_causal = (ke - 1)[None, :] > qs[:, None]          # some key in the future of some query
+        if doc_BT is None:
+            need_doc = torch.zeros_like(visible)
+        else:
+            qmin, qmax = _chunk_minmax(doc_BT, q_chunk)
+            kmin, kmax = _chunk_minmax(doc_BT, k_chunk)
+            qmin, qmax, kmin, kmax = qmin[:, :, None], qmax[:, :, None], kmin[:, None, :], kmax[:, None, :]
+            overlap = ((kmin <= qmax) & (kmax >= qmin)).any(0)  # document ranges intersect in some row
+            uniform = ((qmin == qmax) & (kmin == kmax) & (qmin == kmin)).all(0)  # one document everywhere
+            flags = torch.stack([overlap, uniform]).cpu()
+            visible = visible & flags[0]
+            need_doc = ~flags[1]
+        self.rows: List[_Pairs] = [[] for _ in range(qs.numel())]
+        self.cols: List[_Pairs] = [[] for _ in range(ks.numel())]
+        for i, j in visible.nonzero().tolist():
+            nc, nd = bool(need_causal[i, j]), bool(need_doc[i, j])
+            self.rows[i].append((j, nc, nd))
+            self.cols[j].append((i, nc, nd))
+
+    def q_range(self, i: int):
+        return i * self.qc, min((i + 1) * self.qc, self.T)
+
+    def k_range(self, j: int):
+        return j * self.kc, min((j + 1) * self.kc, self.T)
+
+
+def _disallowed(plan: _Plan, i: int, j: int, nc: bool, nd: bool, doc_BT, idx_T):
+    """[B or 1, 1, cq, ck] bool, True where the entry is masked out; None when nothing is."""
+    q0, q1 = plan.q_range(i)
+    k0, k1 = plan.k_range(j)
+    out = None
+    if nc:
+        out = (idx_T[None, k0:k1] > idx_T[q0:q1, None])[None, None]
+    if nd:
+        other = (doc_BT[:, q0:q1, None] != doc_BT[:, None, k0:k1]).unsqueeze(1)
+        out = other if out is None else out | other
+    return out
+
+
+def _forward(q, k, v, doc_BT, scale: float, plan: _Plan):
+    B, H, T, _ = q.shape
+    o = torch.empty(B, H, T, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+    idx = torch.arange(T, device=q.device)
+    neg_inf = float("-inf")
+    for i, pairs in enumerate(plan.rows):
+        q0, q1 = plan.q_range(i)
+        qq = q[:, :, q0:q1].float()
+        m = torch.full((B, H, q1 - q0), neg_inf, dtype=torch.float32, device=q.device)
+        l = torch.zeros_like(m)
+        acc = torch.zeros(B, H, q1 - q0, v.shape[-1], dtype=torch.float32, device=q.device)
+        for j, nc, nd in pairs:
+            k0, k1 = plan.k_range(j)
+            s = torch.matmul(qq, k[:, :, k0:k1].float().transpose(-1, -2)).mul_(scale)
+            bad = _disallowed(plan, i, j, nc, nd, doc_BT, idx)
+            if bad is not None:
+                s.masked_fill_(bad, neg_inf)
+            m_new = torch.maximum(m, s.amax(-1))
+            m_safe = m_new.masked_fill(m_new == neg_inf, 0.0)  # rows with no allowed key so far
+            p = s.sub_(m_safe.unsqueeze(-1)).exp_()
+            alpha = (m - m_safe).exp_()
+            l.mul_(alpha).add_(p.sum(-1))
+            acc.mul_(alpha.unsqueeze(-1)).add_(torch.matmul(p, v[:, :, k0:k1].float()))
+            m = m_new
+        o[:, :, q0:q1] = acc.div_(l.unsqueeze(-1))
+        lse[:, :, q0:q1] = m + l.log()
+    return o, lse
+
+
+def _backward(do, q, k, v, o, lse, doc_BT, scale: float, plan: _Plan):
+    B, H, T, _ = q.shape
+    idx = torch.arange(T, device=q.device)
+    neg_inf = float("-inf")
+    delta = (do.float() * o.float()).sum(-1)  # [B, H, T]: rowsum(dO * O)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    for j, pairs in enumerate(plan.cols):
+        k0, k1 = plan.k_range(j)
+        kk, vv = k[:, :, k0:k1].float(), v[:, :, k0:k1].float()
+        dk_j, dv_j = dk[:, :, k0:k1], dv[:, :, k0:k1]
+        for i, nc, nd in pairs:
+            q0, q1 = plan.q_range(i)
+            qq, dd = q[:, :, q0:q1].float(), do[:, :, q0:q1].float()
+            s = torch.matmul(qq, kk.transpose(-1, -2)).mul_(scale)
+            bad = _disallowed(plan, i, j, nc, nd, doc_BT, idx)
+            if bad is not None:
+                s.masked_fill_(bad, neg_inf)
+            p = s.sub_(lse[:, :, q0:q1].unsqueeze(-1)).exp_()
+            dv_j.add_(torch.matmul(p.transpose(-1, -2), dd))
+            ds = torch.matmul(dd, vv.transpose(-1, -2)).sub_(delta[:, :, q0:q1].unsqueeze(-1)).mul_(p)
+            dq[:, :, q0:q1].add_(torch.matmul(ds, kk))
+            dk_j.add_(torch.matmul(ds.transpose(-1, -2), qq))
+    return dq.mul_(scale), dk.mul_(scale), dv
+
+
+class _ChunkedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, doc_BT, scale, q_chunk, k_chunk):
+        plan = _Plan(q.shape[2], q_chunk, k_chunk, doc_BT)
+        o, lse = _forward(q, k, v, doc_BT, scale, plan)
+        ctx.save_for_backward(q, k, v, o, lse, doc_BT)
+        ctx.plan, ctx.scale = plan, scale
+        return o
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do):
+        q, k, v, o, lse, doc_BT = ctx.saved_tensors
+        dq, dk, dv = _backward(do, q, k, v, o, lse, doc_BT, ctx.scale, ctx.plan)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def _check(q, k, v, doc_ids_BT):
+    if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"expected q, k [B, H, T, K] and v [B, H, T, V]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if doc_ids_BT is not None and tuple(doc_ids_BT.shape) != (q.shape[0], q.shape[2]):
+        raise ValueError(f"doc_ids_BT must be [B, T] = {[q.shape[0], q.shape[2]]}; got {list(doc_ids_BT.shape)}")
+
+
+def chunked_attention(q_BHTK, k_BHTK, v_BHTV, scale: float, doc_ids_BT: Optional[torch.Tensor] = None,
+                      q_chunk: int = DEFAULT_Q_CHUNK, k_chunk: int = DEFAULT_K_CHUNK) -> torch.Tensor:
+    """Causal same-document attention, chunk by chunk (shapes in the module docstring).
+
+    ``q_chunk`` / ``k_chunk``: query / key tokens per chunk (need not divide T). Math in fp32; returns
+    q's dtype; gradients flow to q, k, v (not to ``doc_ids_BT``).
+    """
+    _check(q_BHTK, k_BHTK, v_BHTV, doc_ids_BT)
+    if q_chunk < 1 or k_chunk < 1:
+        raise ValueError(f"q_chunk and k_chunk must be >= 1; got {q_chunk}, {k_chunk}")
+    doc = None if doc_ids_BT is None else doc_ids_BT.to(q_BHTK.device)
+    return _ChunkedAttention.apply(q_BHTK, k_BHTK, v_BHTV, doc, float(scale), int(q_chunk), int(k_chunk))
+
+
+@functools.lru_cache(maxsize=None)
+def _flex_functions():
+    """(compiled flex_attention, create_block_mask), or None when FlexAttention does not import."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except Exception:  # noqa: BLE001 - any import failure means: not available
+        return None
+    return torch.compile(flex_attention, dynamic=False), create_block_mask
+
+
+_flex_failed = False
+
+
+def _flex_document_attention(q, k, v, doc_BT, scale):
+    """FlexAttention with a causal document block mask (CUDA only; not exercised by the CPU tests)."""
+    flex, create_block_mask = _flex_functions()
+    B, _, T, _ = q.shape
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (doc_BT[b, q_idx] == doc_BT[b, kv_idx])
+
+    block_mask = create_block_mask(mask_mod, B, None, T, T, device=q.device)
+    return flex(q, k, v, block_mask=block_mask, scale=scale)
+
+
+def attention(q_BHTK, k_BHTK, v_BHTV, scale: float, doc_ids_BT: Optional[torch.Tensor] = None,
+              q_chunk: int = DEFAULT_Q_CHUNK, k_chunk: int = DEFAULT_K_CHUNK) -> torch.Tensor:
+    """Causal same-document attention: SDPA without documents, FlexAttention (CUDA) or
+    ``chunked_attention`` with them.
+
+    Shapes in the module docstring; ``doc_ids_BT=None`` means one document per row. Chunk sizes apply
+    to the chunked path only.
+    """
+    global _flex_failed
+    _check(q_BHTK, k_BHTK, v_BHTV, doc_ids_BT)
+    if doc_ids_BT is None:
+        return F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTV, is_causal=True, scale=scale)
+    if q_BHTK.is_cuda:
+        if not _flex_failed and _flex_functions() is not None:
+            try:
+                return _flex_document_attention(q_BHTK, k_BHTK, v_BHTV, doc_ids_BT.to(q_BHTK.device), scale)
+            except Exception as e:  # noqa: BLE001 - fall back to the chunked path for good
+                _flex_failed = True
+                warnings.warn(f"FlexAttention failed ({type(e).__name__}: {e}); using chunked_attention")
+    return chunked_attention(q_BHTK, k_BHTK, v_BHTV, scale, doc_ids_BT, q_chunk, k_chunk)

@@ -158,13 +158,16 @@ def test_pipeline_trace_tool(tmp_path):
 
 def test_balanced_synthetic_bubble_matches_theory(tmp_path):
     """Sleeping, exactly balanced stages: the measured bubble of 1F1B and ZB-H1 is the theory's
-    (p-1)/(m+p-1) and (p-1)/(3m+p-1) within 0.05 (p2p and timer overhead; ~0.02 measured)."""
+    (p-1)/(m+p-1) and (p-1)/(3m+p-1) plus p2p and timer overhead, which only adds idle time
+    (~0.02 on an idle machine, 0.05 seen under CI load; bound 0.1), and ZB-H1's is the smaller."""
     from parallel.pipeline.trace import bubble, traced_step
 
+    got = {}
     for schedule, want in (("1f1b", 1 / 5), ("zb_h1", 1 / 13)):  # p = 2, m = 4, second step
         res = run_distributed(traced_step, 2, 4, schedule, 2, 8, 2, None, 1, (0.03, 0.03, 0.03), timeout_s=120)
-        mean, _, _ = bubble([r["trace"] for r in res])
-        assert abs(mean - want) < 0.05, (schedule, mean, want)
+        got[schedule], _, _ = bubble([r["trace"] for r in res])
+        assert want - 0.02 < got[schedule] < want + 0.1, (schedule, got[schedule], want)
+    assert got["zb_h1"] < got["1f1b"], got
 
 
 def test_1f1b_holds_at_most_p_micro_batches():

@@ -49,10 +49,6 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def sample_ranks(layout, pp: int) -> list:
     """The first global rank whose coordinates are (pp stage s, every other axis 0), for the first,
     middle and last stage."""
@@ -101,6 +97,7 @@ def measure_rank(cfg, pcfg, moonep_cfg, optim_cfg, world: int, rank: int, materi
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from megak3.metrics.telemetry import peak_rss_bytes, reset_peak_rss
     from megak3.model.k3 import build_model
     from parallel.materialize import materialize
     from parallel.parallelize import parallelize
@@ -127,8 +124,9 @@ def measure_rank(cfg, pcfg, moonep_cfg, optim_cfg, world: int, rank: int, materi
         if materialize_it:
             torch.set_num_threads(1)
             before = _rss_bytes()
+            reset_peak_rss()
             materialize(model, plan, seed=0, std=cfg.init_std, device="cpu")
-            peak = _peak_rss_bytes()
+            peak = peak_rss_bytes()
             shard = plan.local_bytes(model)
             out["materialize"] = {"rss_before": before, "peak_rss": peak, "growth": peak - before,
                                   "shard_bytes": shard, "ratio": (peak - before) / max(shard, 1)}

@@ -27,9 +27,33 @@ def peak_memory_mb() -> float:
     """
     if peak_memory_source() == "cuda_max_allocated":
         return torch.cuda.max_memory_allocated() / 2**20
+    return peak_rss_bytes() / 2**20
+
+
+def peak_rss_bytes() -> int:
+    """The process's resident high-water mark in bytes: ``VmHWM`` of /proc/self/status on Linux
+    (this address space only), else ``getrusage``'s ru_maxrss. Linux carries ru_maxrss across
+    exec, so a process started by a large parent (a pytest worker) would report the parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # Linux reports KiB, macOS bytes.
-    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+    return rss if sys.platform == "darwin" else rss * 1024  # macOS reports bytes, Linux KiB
+
+
+def reset_peak_rss() -> bool:
+    """Restart the resident high-water mark at the current RSS (Linux ``clear_refs`` 5); False
+    where that is not possible (the peak then covers the whole process life)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 class GPUTelemetry:

@@ -56,6 +56,7 @@ def test_sbatch_4_nodes_x_8_gpus(capsys):
     o = _sbatch_opts(tr)
     assert o["--ntasks-per-node"] == "1" and o["--cpus-per-task"] == "64"
     assert "--nnodes=4 --nproc-per-node=8" in tr and "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT" in tr
+    assert "python -m megak3.launch.torchrun --nnodes=4" in tr  # passes SIGUSR1/SIGTERM to the ranks, exits 75
 
 
 def test_slurm_env_and_hostlist():
@@ -135,7 +136,7 @@ def test_local_four_cpu_ranks_end_to_end(corpus_dataset, tmp_path):
         runs[name] = d
     head = subprocess.run([sys.executable, str(ROOT / "tools" / "launch.py"), "--nproc", "4", "--dry-run",
                            "parallel=tp2_sp"], cwd=ROOT, env=env, capture_output=True, text=True).stdout
-    assert "torch.distributed.run --standalone --nproc-per-node=4 -m megak3.train parallel=tp2_sp" in head
+    assert "megak3.launch.torchrun --standalone --nproc-per-node=4 -m megak3.train parallel=tp2_sp" in head
     st = json.loads((runs["tp2dp2"] / "status.json").read_text())
     assert st["status"] == "ok" and st["nproc"] == 4 and len(st["peak_memory_mb_per_rank"]) == 4
     ref = {m["step"]: m["loss"] for m in _metrics(runs["one"]) if m["kind"] == "train"}

@@ -1,5 +1,6 @@
 """PreemptionHandler: a signal sets a flag, the loop checkpoints at the next step boundary and exits
 with the requeue code; across ranks the flag is agreed so every rank stops at the same step."""
+import json
 import os
 import signal
 import subprocess
@@ -128,3 +129,53 @@ def test_trainer_preemption_saves_and_resumes(corpus_dataset, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert f"step_{stopped:08d}" in r.stdout and "resumed from" in r.stdout
+
+
+def _wait_for_step(p, step: int) -> list:
+    """Read p's output until rank 0 logs ``step N``; returns the lines read."""
+    seen = []
+    for line in p.stdout:
+        seen.append(line)
+        if line.startswith(f"step {step} "):
+            return seen
+    raise AssertionError("".join(seen))
+
+
+@pytest.mark.slow
+def test_torchrun_forwards_sigterm_and_sigusr1_and_exits_75(corpus_dataset, tmp_path):
+    """A real torchrun of 2 gloo ranks: SIGTERM to ``python -m megak3.launch.torchrun`` -> the ranks
+    checkpoint, the job exits 75; ``train.resume=auto`` continues from that checkpoint, this time
+    started by ``python -m megak3.train launcher.nproc_per_node=2`` (its own torchrun), and SIGUSR1
+    to it gives a later checkpoint and 75 again."""
+    from test_sweep import common_overrides
+
+    prefix, tok = corpus_dataset
+    run_dir = tmp_path / "run"
+    args = common_overrides(prefix, tok) + [f"train.run_dir={run_dir}", f"hydra.run.dir={run_dir}",
+                                            "train.max_steps=100000", "parallel=tp1_dp2"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    kw = dict(cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def steps():
+        return sorted(int(c.name.split("_")[1]) for c in (run_dir / "checkpoints").glob("step_*"))
+
+    p = subprocess.Popen([sys.executable, "-m", "megak3.launch.torchrun", "--standalone", "--nproc-per-node=2",
+                          "-m", "megak3.train"] + args, **kw)
+    seen = _wait_for_step(p, 2)
+    p.send_signal(signal.SIGTERM)
+    out = "".join(seen) + p.communicate(timeout=300)[0]
+    assert p.returncode == REQUEUE_EXIT_CODE, out
+    assert "preempted by SIGTERM" in out and "ChildFailedError" not in out and "Traceback" not in out, out
+    first = steps()
+    assert first and first[-1] >= 2, out
+
+    p = subprocess.Popen([sys.executable, "-m", "megak3.train", "launcher.nproc_per_node=2", "train.resume=auto"]
+                         + args, **kw)
+    seen = _wait_for_step(p, first[-1] + 2)
+    p.send_signal(signal.SIGUSR1)
+    out = "".join(seen) + p.communicate(timeout=300)[0]
+    assert p.returncode == REQUEUE_EXIT_CODE, out
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{first[-1]:08d}'}" in out, out
+    assert f"step {first[-1] + 1} " in out and "step 1 " not in out and "preempted by SIGUSR1" in out, out
+    assert steps()[-1] >= first[-1] + 2, out
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "preempted"

@@ -379,7 +379,7 @@ def test_wsd_and_constant_schedule_values():
 
 
 @pytest.mark.parametrize("field,value,max_steps,msg", [
-    ("lr", -1, None, r"optim.lr=-1 must be > 0"),
+    ("lr", -1, None, r"optim.lr=-1 must be in \(0, 1e\+06\]"),
     ("schedule", "linear", None, r"optim.schedule='linear'"),
     ("muon_momentum", 1.0, None, r"optim.muon_momentum=1.0"),
     ("grad_clip", -0.5, None, r"optim.grad_clip=-0.5"),

@@ -7,7 +7,8 @@
         --dry-run model=k3_mini parallel=tp4_sp train.device=cuda                # print the sbatch
     python tools/launch.py --slurm ... model=k3_mini ...                         # write it, sbatch it
 
-Local: ``torchrun --standalone --nproc-per-node N -m megak3.train OVERRIDES`` (N=1: plain python).
+Local: ``python -m megak3.launch.torchrun --standalone --nproc-per-node N -m megak3.train OVERRIDES``
+(N=1: plain python): torchrun that passes SIGTERM / SIGUSR1 on to the ranks (checkpoint, exit 75).
 The backend follows the hardware (parallel.backend=auto: NCCL on GPUs, gloo on CPU). --nproc
 defaults to the layout's size when parallel.dp is given, else the GPU count, else 1.
 
@@ -16,7 +17,8 @@ the flags below change them); one task per GPU, rendezvous on the first node, SI
 ``signal_grace_s`` before the time limit -> checkpoint -> exit 75 -> ``scontrol requeue`` ->
 ``train.resume=auto``. The training config is composed and validated for nodes x GPUs ranks
 before anything is written or submitted (--no-validate skips that, e.g. for data paths that only
-exist on the cluster). Exit status: the training's (local), sbatch's, or 2 on bad input.
+exist on the cluster; local runs also check the data, tokenizer and checkpoint paths). Exit
+status: the training's (local), sbatch's, or 2 on bad input (one line, nothing started or written).
 """
 from __future__ import annotations
 
@@ -32,16 +34,10 @@ sys.path.insert(0, str(ROOT))
 
 
 def compose(overrides: list):
-    """The training config of ``overrides`` (Hydra compose over conf/, the LaunchJobConfig schema)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    """The training config of ``overrides`` (conf/ composed by megak3.train.compose; errors: one line)."""
+    from megak3.train.compose import compose as compose_job
 
-    import megak3.train.__main__  # noqa: F401  (registers the job schema)
-    from megak3.config import CONF_DIR
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=list(overrides))
+    return compose_job(overrides)
 
 
 def launcher_config(preset: str, overrides: list, args):
@@ -86,10 +82,14 @@ def default_nproc(cfg) -> int:
     return 1
 
 
-def validate(overrides: list, world_size: int) -> None:
-    from megak3.train.__main__ import to_job
+def validate(overrides: list, world_size: int, local: bool = True) -> None:
+    """Compose and validate the job for ``world_size`` ranks; ``local``: also this machine's
+    data, tokenizer, checkpoint and CUDA."""
+    from megak3.train.compose import check_local, to_job
 
-    to_job(compose(overrides), world_size=world_size)
+    job = to_job(compose(overrides), world_size=world_size, env={"LOCAL_WORLD_SIZE": str(world_size)})
+    if local:
+        check_local(job)
 
 
 def run_local(args, overrides: list) -> int:
@@ -110,7 +110,11 @@ def run_local(args, overrides: list) -> int:
         return 0
     env = commands.local_env(args.omp_threads)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return subprocess.call(cmd, cwd=os.getcwd(), env=env)
+    from megak3.launch.torchrun import forward_signals
+
+    proc = subprocess.Popen(cmd, cwd=os.getcwd(), env=env)
+    with forward_signals(proc):  # SIGTERM / SIGUSR1: the ranks checkpoint, the job exits 75
+        return proc.wait()
 
 
 def run_slurm(args, overrides: list) -> int:
@@ -120,18 +124,18 @@ def run_slurm(args, overrides: list) -> int:
     train = [o for o in overrides if not o.startswith("launcher.")]
     world = lcfg.nnodes * lcfg.gpus_per_node
     if not args.no_validate:
-        validate(train, world)
+        validate(train, world, local=False)
     script = sbatch_script(lcfg, train, python=args.python, workdir=args.workdir or os.getcwd())
     if args.dry_run:
         print(script)
         return 0
+    if shutil.which("sbatch") is None:
+        raise ValueError("sbatch is not on PATH: run this on a SLURM login node, or use --dry-run")
     out = Path(args.script or Path(lcfg.log_dir) / f"{lcfg.job_name}.sbatch")
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(lcfg.log_dir).mkdir(parents=True, exist_ok=True)
     out.write_text(script)
     print(f"wrote {out}")
-    if shutil.which("sbatch") is None:
-        raise ValueError("sbatch is not on PATH: run this on a SLURM login node, or use --dry-run")
     return subprocess.call(["sbatch", str(out)])
 
 
@@ -160,7 +164,13 @@ def parse(argv=None):
     sl.add_argument("--python", default="python", help="interpreter on the compute nodes")
     sl.add_argument("--workdir", default=None, help="directory the job runs in (default: here)")
     sl.add_argument("--script", default=None, help="where to write the sbatch file")
+    ap.error = lambda msg: _usage_error(ap, msg)
     return ap.parse_intermixed_args(argv)
+
+
+def _usage_error(ap, msg):
+    print(f"{ap.prog}: error: {msg} (see --help)", file=sys.stderr)
+    sys.exit(2)
 
 
 def main(argv=None) -> int:

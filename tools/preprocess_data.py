@@ -20,6 +20,11 @@ from megak3.data.config import DataError  # noqa: E402
 from megak3.data.preprocessing import format_stats, preprocess  # noqa: E402
 
 
+def _usage_error(ap, msg):
+    print(f"{ap.prog}: error: {msg} (see --help)", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--input", nargs="+", required=True, help="files and/or directories")
@@ -34,6 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--append-eos", action=argparse.BooleanOptionalAction, default=True,
                     help="end every document with <|eos|> (default on)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.error = lambda msg: _usage_error(ap, msg)
     args = ap.parse_args(argv)
     try:
         stats = preprocess(args.input, args.output_prefix, tokenizer_path=args.tokenizer,

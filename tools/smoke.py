@@ -1,5 +1,10 @@
 #!/usr/bin/env python
-"""Forward + backward of k3_tiny on random tokens and one image; prints loss and grad norm."""
+"""Forward + backward of k3_tiny on random tokens and one image; prints parameters, loss and grad norm.
+
+    python tools/smoke.py
+"""
+import argparse
+
 import torch
 
 from megak3.config import load_model_config
@@ -7,6 +12,7 @@ from megak3.model.k3 import build_model
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     cfg = load_model_config("k3_tiny")
     model = build_model(cfg, seed=0)
     g = torch.Generator().manual_seed(0)

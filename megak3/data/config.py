@@ -56,6 +56,9 @@ class DataConfig:
             raise DataError(f"data.valid_fraction={self.valid_fraction} must lie in [0, 1)")
         if self.workers < 1:
             raise DataError(f"data.workers={self.workers} must be >= 1")
+        if self.path == DEMO and self.tokenizer:
+            raise DataError(f'data.tokenizer={self.tokenizer}: the demo corpus brings its own tokenizer; '
+                            'leave data.tokenizer unset (null) with data.path=demo')
         # 4 special tokens + 256 byte-level symbols are always in the vocabulary.
         if self.path == DEMO and self.vocab_size < 260:
             raise DataError(f"data.vocab_size={self.vocab_size} must be >= 260 (4 special + 256 byte tokens)")

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from megak3.data.config import DataError
 from megak3.data.indexed import IndexedDatasetBuilder, best_dtype
-from megak3.data.tokenizer import Tokenizer, load_tokenizer, train_bpe_tokenizer
+from megak3.data.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe_tokenizer
 
 JSON_SUFFIXES = (".jsonl", ".json")
 _BINARY_PROBE = 8192
@@ -164,10 +164,20 @@ def preprocess(inputs: Sequence[PathLike], output_prefix: PathLike, tokenizer_pa
                         "--train-tokenizer --vocab-size N")
     if workers < 1:
         raise DataError(f"--workers={workers} must be >= 1")
+    if train_tokenizer and vocab_size < MIN_VOCAB:
+        raise DataError(f"--vocab-size={vocab_size} must be >= {MIN_VOCAB} (4 special + 256 byte tokens)")
+    if tokenizer_path is not None:
+        load_tokenizer(tokenizer_path)  # a missing or malformed file fails before anything is written
     files = collect_input_files(inputs)
     if not files:
         raise DataError(f"--input {list(map(str, inputs))}: no input files found")
-    Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    out_dir = Path(output_prefix).parent
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"--output-prefix {output_prefix}: cannot create {out_dir} ({e.strerror})") from None
+    if not os.access(out_dir, os.W_OK):
+        raise DataError(f"--output-prefix {output_prefix}: {out_dir} is not writable")
     if train_tokenizer:
         tokenizer_path = _train_next_to(output_prefix, files, json_key, vocab_size)
     tokenizer_path = str(tokenizer_path)

@@ -1,6 +1,6 @@
 """Command lines and batch scripts that start megak3 ranks.
 
-    local_command(4, overrides)        # [python, -m, torch.distributed.run, --standalone, ...]
+    local_command(4, overrides)        # [python, -m, megak3.launch.torchrun, --standalone, ...]
     sbatch_script(launcher_cfg, overrides)   # the text of a SLURM batch script
     torch_env_from_slurm(os.environ)   # RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR from SLURM_* (srun mode)
 
@@ -19,6 +19,8 @@ from .config import LauncherConfig
 from .preemption import REQUEUE_EXIT_CODE
 
 TRAIN_MODULE = "megak3.train"
+TORCHRUN_MODULE = "megak3.launch.torchrun"
+"""torchrun with preemption forwarding and one-line failures (megak3/launch/torchrun.py)"""
 SLURM_MARKER = "MEGAK3_SLURM_SRUN"
 """set to 1 by the sbatch script in srun mode: each task maps SLURM_* to torch's variables"""
 
@@ -30,13 +32,15 @@ def inside_launcher(env: Mapping[str, str] = os.environ) -> bool:
 
 def local_command(nproc: int, overrides: Sequence[str], python: str = sys.executable,
                   module: str = TRAIN_MODULE, master_port: Optional[int] = None) -> list:
-    """``torchrun --standalone --nproc-per-node N -m megak3.train OVERRIDES`` as an argv list.
+    """``python -m megak3.launch.torchrun --standalone --nproc-per-node N -m megak3.train OVERRIDES``
+    as an argv list (torchrun that passes SIGTERM / SIGUSR1 to the ranks and exits 75 when they
+    were preempted).
 
     --standalone picks a free rendezvous port on localhost, so concurrent jobs do not collide
     unless ``master_port`` pins one."""
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"launcher.nproc_per_node={nproc!r} must be an integer >= 1")
-    cmd = [python, "-m", "torch.distributed.run"]
+    cmd = [python, "-m", TORCHRUN_MODULE]
     if master_port is None:
         cmd.append("--standalone")
     else:
@@ -107,8 +111,9 @@ def sbatch_script(cfg: LauncherConfig, overrides: Sequence[str], python: str = "
     Rendezvous: MASTER_ADDR = first node of the allocation, MASTER_PORT = cfg.master_port.
     srun mode: ``srun --ntasks-per-node=G`` starts one task per GPU (each binds its own GPU), and
     ``python -m megak3.train`` maps SLURM_PROCID/NTASKS/LOCALID to RANK/WORLD_SIZE/LOCAL_RANK.
-    torchrun mode: one srun task per node runs ``torchrun --nnodes N --nproc-per-node G`` with a
-    c10d rendezvous on MASTER_ADDR. Preemption: ``--signal=USR1@grace`` (and SLURM's own SIGTERM)
+    torchrun mode: one srun task per node runs ``python -m megak3.launch.torchrun --nnodes N
+    --nproc-per-node G`` with a c10d rendezvous on MASTER_ADDR; it passes SLURM's SIGUSR1 / SIGTERM
+    to the ranks and exits 75 when they were preempted. Preemption: ``--signal=USR1@grace`` (and SLURM's own SIGTERM)
     make the trainer checkpoint and exit with REQUEUE_EXIT_CODE; the script then requeues the job
     (``--requeue``), and ``train.resume=auto`` (appended unless given) resumes it."""
     cfg.validate()
@@ -155,7 +160,7 @@ def sbatch_script(cfg: LauncherConfig, overrides: Sequence[str], python: str = "
                   f"    {python} -m {TRAIN_MODULE} {args}"]
     else:
         lines += ["srun --kill-on-bad-exit=1 --ntasks-per-node=1 \\",
-                  f"    {python} -m torch.distributed.run --nnodes={n} --nproc-per-node={g} \\",
+                  f"    {python} -m {TORCHRUN_MODULE} --nnodes={n} --nproc-per-node={g} \\",
                   "    --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT --rdzv-id=$SLURM_JOB_ID \\",
                   f"    -m {TRAIN_MODULE} {args}"]
     lines += ["rc=$?",

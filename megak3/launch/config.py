@@ -2,7 +2,7 @@
 
 ``python -m megak3.train`` reads ``launcher.nproc_per_node``: when a job needs more than one rank
 and the process is not already a torchrun/SLURM rank, it re-runs itself under
-``torchrun --standalone --nproc-per-node N`` (one subprocess per Hydra job, so a ``-m`` sweep runs
+``python -m megak3.launch.torchrun --standalone --nproc-per-node N`` (one subprocess per Hydra job, so a ``-m`` sweep runs
 every layout with its own ranks). The SLURM fields are read by ``tools/launch.py --slurm``.
 """
 from __future__ import annotations

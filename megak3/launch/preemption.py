@@ -8,6 +8,9 @@ sees the same answer at the same step even when only some ranks got the signal (
 step later). The loop then saves a checkpoint, closes its logger and raises :class:`Preempted`;
 the entry point (``python -m megak3.train``) exits with :data:`REQUEUE_EXIT_CODE`, on which the
 sbatch script runs ``scontrol requeue``; the requeued job resumes with ``train.resume=auto``.
+Under several ranks the signal goes to ``python -m megak3.launch.torchrun``, which passes it to
+the ranks and exits 75 when they did. :func:`catch_early` (called first thing by the entry point)
+keeps a signal that arrives while a rank is still starting up for the handler.
 
     handler = PreemptionHandler(device=device).install()
     for step in ...:
@@ -31,6 +34,24 @@ REQUEUE_EXIT_CODE = 75
 the sbatch script requeues the job on it, anything else ends the job"""
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+_early: list = []
+"""signals caught by :func:`catch_early` and not yet taken over by a PreemptionHandler"""
+
+
+def _remember(signum, frame) -> None:  # noqa: ARG001
+    _early.append(signum)
+
+
+def catch_early(signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
+    """Remember ``signals`` instead of dying of them until a :class:`PreemptionHandler` is
+    installed (start-up: imports, data, model build); the handler then acts on them at the first
+    step. Also active again after the handler is uninstalled (a signal during shutdown is
+    ignored). Main thread only."""
+    if threading.current_thread() is threading.main_thread():
+        for s in signals:
+            signal.signal(s, _remember)
 
 
 class Preempted(Exception):
@@ -76,6 +97,10 @@ class PreemptionHandler:
         for s in self.signals:
             if s not in self._previous:
                 self._previous[s] = signal.signal(s, self._on_signal)
+        for s in list(_early):  # a signal that arrived during start-up (catch_early)
+            if s in self.signals:
+                self._on_signal(s, None)
+            _early.remove(s)
         return self
 
     def uninstall(self) -> None:

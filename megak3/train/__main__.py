@@ -8,11 +8,14 @@
     python -m megak3.train -m parallel=tp2_dp2,tp1_dp4,tp4_dp1 train.max_steps=20   # layout sweep
 
 Defaults live in conf/config.yaml; every field is documented in the dataclasses of
-megak3/train/config.py and the modules it imports. User errors print one line and exit 2.
+megak3/train/config.py and the modules it imports (``--help`` prints them). The overrides are
+composed and validated before Hydra writes anything (megak3/train/compose.py): a user error
+prints one line and exits 2.
 
 Ranks (megak3/launch/config.py, ``launcher.*``): a job that needs more than one rank
 (``launcher.nproc_per_node``, or the layout's size when ``parallel.dp`` > 0) and is not already a
-torchrun / SLURM rank is started as ``torchrun --standalone --nproc-per-node N`` in a subprocess,
+torchrun / SLURM rank is started as ``python -m megak3.launch.torchrun --standalone
+--nproc-per-node N`` in a subprocess (SIGTERM / SIGUSR1 / SIGINT are passed on to it),
 so every job of a ``-m`` sweep gets its own ranks. Every job writes ``status.json`` (ok / failed /
 preempted, the error line, per-rank peak memory) next to its ``metrics.jsonl``; in a sweep a
 failed job is recorded and the sweep goes on (``tools/sweep_report.py DIR`` tabulates it).
@@ -28,46 +31,17 @@ import time
 from typing import Optional
 
 import hydra
-from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from ..config import CONF_DIR
 from ..launch import commands
-from ..launch.config import LauncherConfig, LaunchJobConfig
-from ..launch.preemption import REQUEUE_EXIT_CODE, Preempted
+from ..launch.config import LauncherConfig
+from ..launch.preemption import REQUEUE_EXIT_CODE, Preempted, catch_early
 from ..launch.sweep import error_line, write_status
-from .config import JobConfig
-
-# JobConfig plus the launcher group (popped before the job reaches the trainer)
-ConfigStore.instance().store(name="job_schema", node=LaunchJobConfig)
-
-
-def split_launcher(cfg: DictConfig) -> tuple:
-    """(a copy of cfg without ``launcher``, the validated LauncherConfig)."""
-    cfg = cfg.copy()
-    node = None
-    if "launcher" in cfg:
-        with open_dict(cfg):
-            node = cfg.pop("launcher")
-    base = OmegaConf.structured(LauncherConfig)
-    launcher = OmegaConf.to_object(OmegaConf.merge(base, node) if node is not None else base)
-    return cfg, launcher.validate()
-
-
-def to_job(cfg: DictConfig, world_size: Optional[int] = None) -> JobConfig:
-    cfg, _ = split_launcher(cfg)
-    job = OmegaConf.to_object(cfg)
-    assert isinstance(job, JobConfig)
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    job.validate(world_size=world_size)
-    t, dp = job.train, job.parallel.resolved_dp(world_size)
-    if t.global_batch_size % (t.micro_batch_size * dp):  # the trainer's rule, checked before ranks start
-        raise ValueError(f"train.global_batch_size={t.global_batch_size} must be a multiple of "
-                         f"train.micro_batch_size x dp = {t.micro_batch_size} x {dp}")
-    return job
+from ..launch.torchrun import forward_signals
+from .compose import check, split_launcher, to_job  # noqa: F401  (split_launcher, to_job: re-exported)
 
 
 def _peak_memory_per_rank(pstate) -> list:
@@ -89,7 +63,11 @@ def run(cfg: DictConfig) -> dict:
 
     from .trainer import Trainer
 
-    job = to_job(cfg)
+    notices: list = []
+    job = to_job(cfg, notices=notices)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for line in notices:
+            print(f"megak3.train: {line}", flush=True)
     run_dir = job.train.run_dir or HydraConfig.get().runtime.output_dir
     pstate = init_parallel(job.parallel, model_cfg=job.model)
     rank = pstate.rank
@@ -130,15 +108,16 @@ def spawn(overrides: list, nproc: int, job_dir: str, launcher: LauncherConfig) -
                                 start_new_session=True)
         t0 = time.monotonic()
         timed_out = False
-        for line in proc.stdout:  # echo and keep
-            sys.stdout.write(line)
-            log.write(line)
-            if timeout and time.monotonic() - t0 > timeout:
-                timed_out = True
-                break
-        if timed_out:
-            os.killpg(proc.pid, 9)
-        rc = proc.wait()
+        with forward_signals(proc):  # SIGTERM / SIGUSR1 / SIGINT reach the ranks through the launcher
+            for line in proc.stdout:  # echo and keep
+                sys.stdout.write(line)
+                log.write(line)
+                if timeout and time.monotonic() - t0 > timeout:
+                    timed_out = True
+                    break
+            if timed_out:
+                os.killpg(proc.pid, 9)
+            rc = proc.wait()
     if timed_out:
         return rc, f"timed out after launcher.job_timeout_s={launcher.job_timeout_s:g}s"
     if rc == 0:
@@ -196,10 +175,12 @@ def job(cfg: DictConfig) -> int:
             info["steps"] = result.get("steps")
     except Preempted as e:
         status, error, code = "preempted", str(e), REQUEUE_EXIT_CODE
-        print(f"megak3.train: {e}", file=sys.stderr, flush=True)
-    except ValueError as e:  # user errors: one line, no traceback
+        if rank == 0:
+            print(f"megak3.train: {e}", file=sys.stderr, flush=True)
+    except ValueError as e:  # user errors: one line from rank 0 (every rank has the same), no traceback
         status, error, code = "failed", str(e), 2
-        print(f"megak3.train: error: {e}", file=sys.stderr, flush=True)
+        if rank == 0:
+            print(f"megak3.train: error: {e}", file=sys.stderr, flush=True)
     except Exception as e:  # noqa: BLE001
         status, error, code = "failed", f"{type(e).__name__}: {e}".splitlines()[0], 1
         if not multirun:
@@ -235,12 +216,24 @@ def hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    catch_early()  # a SIGTERM / SIGUSR1 during start-up stops the run at its first step, with a checkpoint
     if os.environ.get(commands.SLURM_MARKER) == "1" and "RANK" not in os.environ:
         try:  # srun mode of the sbatch script: one task per GPU, ranks from SLURM's variables
             os.environ.update(commands.torch_env_from_slurm(os.environ))
         except ValueError as e:
             print(f"megak3.train: error: {e}", file=sys.stderr)
             sys.exit(2)
+    argv = sys.argv[1:]
+    if "-h" in argv or "--help" in argv:
+        from .usage import usage
+
+        print(usage())
+        sys.exit(0)
+    code, message = check(argv)  # bad input: one line, exit 2, before Hydra writes anything
+    if code:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"megak3.train: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(code)
     if int(os.environ.get("RANK", "0")) > 0:
         # only rank 0 writes Hydra's run directory and config copy; the others log nothing there
         sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=none",

@@ -1,0 +1,124 @@
+"""Every command in the ```bash blocks of README.md and docs/SCALING.md is exercised, one of these
+ways (``way`` decides; the test fails on a command it cannot place):
+
+  run        run as written, in-process, in an empty directory (dry runs, layouts, the planner and
+             parameter counts of k3_full on the meta device, --help)
+  dry-run    tools/launch.py without --dry-run: run with --dry-run added (composes and validates)
+  validate   a training command: its config composed and validated for its ranks, no training
+  help       an expensive tool (benchmarks, reports of a run): its --help runs
+  syntax     a shell script: ``bash -n``
+  paths      the test suite or a compile step: the files it names exist
+"""
+import contextlib
+import io
+import os
+import re
+import runpy
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", ROOT / "docs" / "SCALING.md"]
+RUN = {"tools/layout.py", "tools/plan.py", "tools/param_count.py"}
+
+
+def commands(path: Path) -> list:
+    """The commands of the ```bash blocks of ``path``: continuation lines joined, comments dropped,
+    ``a && b`` split."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"(^|\s)#.*$", "", line).strip()
+            out += [" ".join(part.split()) for part in line.split(" && ") if part.strip()]
+    return out
+
+
+def way(cmd: str) -> tuple:
+    """(how the command is exercised, its argv without the interpreter and environment)."""
+    argv = shlex.split(cmd)
+    while argv and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=\S*", argv[0]):
+        argv = argv[1:]
+    if argv[0] == "bash":
+        return "syntax", argv[1:]
+    if argv[0] == "megak3-train":
+        return "validate", argv[1:]
+    if argv[0] not in ("python", ".venv/bin/python"):
+        raise AssertionError(f"no way to exercise {cmd!r}")
+    argv = argv[1:]
+    if argv[:2] == ["-m", "pytest"] or argv[:2] == ["setup.py", "build_ext"]:
+        return "paths", argv
+    if argv[:2] in (["-m", "megak3.train"], ["-m", "megak3.launch.torchrun"]):
+        return "validate", argv
+    tool = argv[0]
+    if tool == "tools/launch.py":
+        return ("run" if "--dry-run" in argv else "dry-run"), argv
+    if tool in RUN or "--help" in argv:
+        return "run", argv
+    if tool.startswith("tools/") and tool.endswith(".py"):
+        return "help", argv
+    raise AssertionError(f"no way to exercise {cmd!r}")
+
+
+def _run_tool(argv, cwd):
+    """Run tools/X.py ARGS as ``python tools/X.py ARGS`` would, in this process; returns stdout."""
+    out = io.StringIO()
+    old_argv, old_cwd = sys.argv, os.getcwd()
+    sys.argv = [str(ROOT / argv[0])] + argv[1:]
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            runpy.run_path(str(ROOT / argv[0]), run_name="__main__")
+    except SystemExit as e:
+        assert e.code in (0, None), (argv, e.code, out.getvalue()[-2000:])
+    finally:
+        sys.argv = old_argv
+        os.chdir(old_cwd)
+    return out.getvalue()
+
+
+def _validate(argv):
+    from torch.distributed.run import parse_args
+
+    from megak3.launch.torchrun import precheck
+    from megak3.train.compose import check
+
+    if argv[:2] == ["-m", "megak3.launch.torchrun"]:
+        error = precheck(parse_args(argv[2:]), local=False)
+    else:
+        argv = argv[2:] if argv[:2] == ["-m", "megak3.train"] else argv
+        error = check(argv, env={}, local=False)[1]
+    assert error is None, (argv, error)
+
+
+def exercise(kind, argv, cwd):
+    if kind == "syntax":
+        subprocess.run(["bash", "-n", str(ROOT / argv[0])], check=True)
+    elif kind == "paths":
+        names = [a for a in argv if a.startswith("tests") or a == "setup.py"]
+        assert names and all((ROOT / n).exists() for n in names), argv
+    elif kind == "validate":
+        _validate(argv)
+    elif kind == "run":
+        _run_tool(argv, cwd)
+    elif kind == "dry-run":
+        _run_tool(argv + ["--dry-run"], cwd)
+    elif kind == "help":
+        assert "usage:" in _run_tool([argv[0], "--help"], cwd)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_command_is_exercised(doc, tmp_path):
+    cmds = commands(doc)
+    assert len(cmds) >= 8
+    done = []
+    for cmd in cmds:
+        kind, argv = way(cmd)
+        work = tmp_path / str(len(done))
+        work.mkdir()
+        exercise(kind, argv, work)
+        done.append(f"{kind:9s} {cmd}")
+    print("\n".join(done))

@@ -58,6 +58,10 @@ class DistributedTestError(RuntimeError):
     """A rank of `run_distributed` raised, died without an exception, or did not finish in time."""
 
 
+# First line of a rank's error when it failed while joining the harness's group (before fn ran).
+_JOIN_FAILED = "[joining the process group, before fn ran]\n"
+
+
 def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float = 120,
                     collective_timeout_s: float = 60, env: dict | None = None, **kwargs) -> list:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return their results.
@@ -81,6 +85,18 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout_s
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
+    try:
+        return _run_once(fn, world_size, args, backend, timeout_s, collective_timeout_s, env, kwargs)
+    except DistributedTestError as e:
+        # gloo's TCP mesh set-up now and then loses a connection on a loaded machine ("Gloo
+        # connectFullMesh failed ... Connection closed by peer"); fn has not run on any rank then,
+        # so one fresh start is safe. Anything else, or a second such failure, is the caller's.
+        if _JOIN_FAILED not in str(e) or "connectFullMesh" not in str(e):
+            raise
+    return _run_once(fn, world_size, args, backend, timeout_s, collective_timeout_s, env, kwargs)
+
+
+def _run_once(fn, world_size, args, backend, timeout_s, collective_timeout_s, env, kwargs) -> list:
     try:
         call = pickle.dumps((fn, args, kwargs))
     except Exception as e:  # lambdas, local functions, open files ...
@@ -161,14 +177,16 @@ def _rank_main(rank: int, world_size: int, spec: dict, conn, alive) -> None:
     faulthandler.enable(stack_file, all_threads=True)
     faulthandler.register(signal.SIGUSR1, stack_file, all_threads=True)
     torch.set_num_threads(1)
+    joined = False
     try:
         fn, args, kwargs = pickle.loads(spec["call"])
         dist.init_process_group(spec["backend"], init_method=spec["init_method"], rank=rank,
                                 world_size=world_size,
                                 timeout=timedelta(seconds=spec["collective_timeout_s"]))
+        joined = True
         reply = ("ok", _dump_result(fn(rank, world_size, *args, **kwargs)))
     except BaseException:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are failures too
-        reply = ("error", traceback.format_exc())
+        reply = ("error", ("" if joined else _JOIN_FAILED) + traceback.format_exc())
     # Reply before tearing down: if fn failed, the error must reach the parent even if teardown hangs.
     conn.send(reply)
     conn.close()

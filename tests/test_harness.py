@@ -125,3 +125,13 @@ def test_segfault_reports_signal_and_stack():
 def test_local_function_is_refused_before_spawning():
     with pytest.raises(TypeError, match="module-level fn"):
         run_distributed(lambda rank, world_size: rank, 2)
+
+
+def test_join_failure_is_marked_and_not_retried_when_not_gloo_mesh():
+    """A rank that cannot join the harness's group says so (fn never ran); only gloo's transient
+    connectFullMesh failure is started again, so a backend that cannot exist fails at once."""
+    from parallel.testing import _JOIN_FAILED
+
+    with pytest.raises(DistributedTestError) as e:
+        run_distributed(_all_reduce_rank, 2, 1.0, backend="no_such_backend", timeout_s=60)
+    assert _JOIN_FAILED.strip() in str(e.value) and "connectFullMesh" not in str(e.value)

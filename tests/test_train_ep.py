@@ -1,6 +1,6 @@
 """The training program under expert parallelism (torchrun, gloo, fp32): ep2 x dp2 with MoonEP,
 tp2 (+SP) x ep2 with MoonEP and with the baseline dispatcher reproduce the single-process losses;
-an ep2 checkpoint resumes at ep4 and in one process with the same losses; the run directory's
+an ep2 checkpoint resumes at ep4 with the same losses (one process: test_checkpoint_reshard.py); the run directory's
 expert-load log renders with tools/expert_load.py."""
 import json
 import shutil
@@ -38,7 +38,7 @@ def test_expert_parallel_layouts_and_resume(corpus_dataset, tmp_path):
             assert all(m["moe/maxvio_after"] <= 1e-9 for m in train), [m["moe/maxvio_after"] for m in train]
 
     src = tmp_path / "ep2dp2"
-    for name, nproc, extra in (("ep4", 4, ["parallel.ep=4"]), ("one", 1, [])):
+    for name, nproc, extra in (("ep4", 4, ["parallel.ep=4"]),):  # one process: test_checkpoint_reshard.py
         d = tmp_path / f"resume_{name}"
         shutil.copytree(src / "checkpoints", d / "checkpoints")
         r = _run(d, nproc, "train.max_steps=4", "train.resume=auto", *extra)

@@ -199,3 +199,44 @@ def test_chunked_attention_memory_is_linear_in_T(packed):
     quadratic = T * T * 4  # one fp32 [T, T] score matrix: 1 GiB
     assert peak < quadratic / 64, peak   # measured 6 MiB: O(T) buffers plus chunk-pair temporaries
     assert largest <= quadratic / 256, largest
+
+
+# ---- query offset: local queries of a context-parallel segment against the keys before them ----
+@pytest.mark.parametrize("with_docs", [True, False])
+@pytest.mark.parametrize("q_offset,Tq,extra", [(0, 30, 0), (23, 30, 0), (40, 17, 0), (13, 20, 9)])
+def test_query_offset_matches_reference(with_docs, q_offset, Tq, extra):
+    """Queries at positions [q_offset, q_offset + Tq) against keys [0, Tk): the chunked path (and the
+    dispatcher) equal the dense fp64 twin, forward and gradients, and equal the rows of the full
+    self-attention they are a slice of."""
+    Tk = q_offset + Tq + extra
+    cuts = [c for c in (11, 29, 41) if c < Tk]  # documents crossing the query offset in row 0
+    doc = docs_from_lengths([[b - a for a, b in zip([0] + cuts, cuts + [Tk])], [Tk]]) if with_docs else None
+    B, H, K, V = 2, 2, 12, 8
+    g = torch.Generator().manual_seed(q_offset + Tq)
+    k, v = torch.randn(B, H, Tk, K, generator=g), torch.randn(B, H, Tk, V, generator=g)
+    q_full = torch.randn(B, H, Tk, K, generator=g)
+    q = q_full[:, :, q_offset:q_offset + Tq].contiguous()
+    dout = torch.randn(B, H, Tq, V, generator=g)
+    scale = K ** -0.5 * 2.0
+    qc_, kc_, vc_ = (t.clone().requires_grad_() for t in (q, k, v))
+    out = chunked_attention(qc_, kc_, vc_, scale, doc, q_chunk=7, k_chunk=9, q_offset=q_offset)
+    out.backward(dout)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(q64, k64, v64, scale, doc, q_offset=q_offset)
+    ref.backward(dout.double())
+    assert rel_err(out, ref) < 1e-5
+    for got, want in ((qc_.grad, q64.grad), (kc_.grad, k64.grad), (vc_.grad, v64.grad)):
+        assert rel_err(got, want) < 1e-5
+    full = reference_attention(q_full[:, :, :Tk].double(), k.double(), v.double(), scale, doc)
+    assert rel_err(out, full[:, :, q_offset:q_offset + Tq]) < 1e-5
+    torch.testing.assert_close(attention(q, k, v, scale, doc, q_chunk=7, k_chunk=9, q_offset=q_offset),
+                               out.detach(), rtol=1e-5, atol=1e-6)  # SDPA when q_offset = 0
+
+
+def test_query_offset_plan_skips_chunks_of_earlier_documents():
+    doc = docs_from_lengths([[64, 64]])
+    plan = _Plan(64, 32, 32, doc, q_offset=64)   # the second half's queries: document 1 only
+    assert [[j for j, _, _ in r] for r in plan.rows] == [[2], [2, 3]]
+    with pytest.raises(ValueError, match="q_offset"):
+        chunked_attention(torch.zeros(1, 1, 8, 4), torch.zeros(1, 1, 8, 4), torch.zeros(1, 1, 8, 4), 1.0,
+                          q_offset=3)

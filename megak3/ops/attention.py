@@ -9,6 +9,13 @@ A query at token t of row b attends to the key at token s of the same row iff ``
     doc_ids_BT [B, T]      integer document id per token, or None (one document per row)
     returns o_BHTV [B, H, T, V] in q's dtype
 
+Query offset (context parallelism, parallel/context_parallel.py): with ``q_offset = t0`` the Tq
+queries sit at positions ``[t0, t0 + Tq)`` of the rows and the Tk >= t0 + Tq keys at ``[0, Tk)``;
+query t attends to key s iff ``s <= t0 + t`` and their document ids agree; ``doc_ids_BT`` is then
+``[B, Tk]`` (the keys' ids; the queries' are ``doc_ids_BT[:, t0:t0 + Tq]``). A CP rank holding the
+segment ``[t0, t0 + Tq)`` of every row runs its local queries against the gathered keys of the
+segments up to its own. ``q_offset = 0`` with Tq == Tk is the ordinary self-attention above.
+
 ``chunked_attention`` is flash-style: it loops over query chunks and key chunks with an online softmax
 (fp32 running max and sum, fp32 output accumulator), so every temporary is at most
 ``[B, H, q_chunk, k_chunk]``. Chunk pairs whose keys are all in the future of the query chunk, or whose
@@ -43,15 +50,17 @@ DEFAULT_K_CHUNK = 256
 _Pairs = List[Tuple[int, bool, bool]]
 
 
-def reference_attention(q_BHTK, k_BHTK, v_BHTV, scale: float, doc_ids_BT: Optional[torch.Tensor] = None):
-    """Dense twin: ``softmax(q k^T * scale + mask) v`` with a ``[B, 1, T, T]`` causal/document mask, in
-    fp32 (fp64 for fp64 inputs)."""
-    T = q_BHTK.shape[2]
+def reference_attention(q_BHTK, k_BHTK, v_BHTV, scale: float, doc_ids_BT: Optional[torch.Tensor] = None,
+                        q_offset: int = 0):
+    """Dense twin: ``softmax(q k^T * scale + mask) v`` with a ``[B, 1, Tq, Tk]`` causal/document mask,
+    in fp32 (fp64 for fp64 inputs); ``q_offset`` as in the module docstring."""
+    Tq, Tk = q_BHTK.shape[2], k_BHTK.shape[2]
     ct = torch.promote_types(q_BHTK.dtype, torch.float32)
     s = torch.matmul(q_BHTK.to(ct), k_BHTK.to(ct).transpose(-1, -2)) * scale
-    allowed = torch.ones(T, T, dtype=torch.bool, device=q_BHTK.device).tril()
+    allowed = torch.ones(Tq, Tk, dtype=torch.bool, device=q_BHTK.device).tril(q_offset)
     if doc_ids_BT is not None:
-        allowed = allowed & (doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]).unsqueeze(1)
+        q_doc = doc_ids_BT[:, q_offset:q_offset + Tq]
+        allowed = allowed & (q_doc[:, :, None] == doc_ids_BT[:, None, :]).unsqueeze(1)
     p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
     return torch.matmul(p, v_BHTV.to(ct)).to(q_BHTK.dtype)
 
@@ -67,19 +76,24 @@ def _chunk_minmax(doc_BT: torch.Tensor, c: int):
 
 
 class _Plan:
-    """Which (query chunk, key chunk) pairs have any allowed entry, and which masks each needs."""
+    """Which (query chunk, key chunk) pairs have any allowed entry, and which masks each needs.
 
-    def __init__(self, T: int, q_chunk: int, k_chunk: int, doc_BT: Optional[torch.Tensor]):
-        self.T, self.qc, self.kc = T, q_chunk, k_chunk
+    T: number of queries; keys: ``k_len`` (default ``q_offset + T``); query i sits at position
+    ``q_offset + i``; ``doc_BT``: the keys' document ids ``[B, k_len]`` or None."""
+
+    def __init__(self, T: int, q_chunk: int, k_chunk: int, doc_BT: Optional[torch.Tensor],
+                 q_offset: int = 0, k_len: Optional[int] = None):
+        Tk = q_offset + T if k_len is None else k_len
+        self.T, self.Tk, self.q_offset, self.qc, self.kc = T, Tk, q_offset, q_chunk, k_chunk
         qs = torch.arange(0, T, q_chunk)
-        ks = torch.arange(0, T, k_chunk)
-        qe, ke = (qs + q_chunk).clamp(max=T), (ks + k_chunk).clamp(max=T)
-        visible = ks[None, :] <= (qe - 1)[:, None]           # [nq, nk]: some key not in the future
-        need_causal = (ke - 1)[None, :] > qs[:, None]          # some key in the future of some query
+        ks = torch.arange(0, Tk, k_chunk)
+        qe, ke = (qs + q_chunk).clamp(max=T), (ks + k_chunk).clamp(max=Tk)
+        visible = ks[None, :] <= (q_offset + qe - 1)[:, None]   # [nq, nk]: some key not in the future
+        need_causal = (ke - 1)[None, :] > (q_offset + qs)[:, None]  # some key in the future of some query
         if doc_BT is None:
             need_doc = torch.zeros_like(visible)
         else:
-            qmin, qmax = _chunk_minmax(doc_BT, q_chunk)
+            qmin, qmax = _chunk_minmax(doc_BT[:, q_offset:q_offset + T], q_chunk)
             kmin, kmax = _chunk_minmax(doc_BT, k_chunk)
             qmin, qmax, kmin, kmax = qmin[:, :, None], qmax[:, :, None], kmin[:, None, :], kmax[:, None, :]
             overlap = ((kmin <= qmax) & (kmax >= qmin)).any(0)  # document ranges intersect in some row
@@ -98,18 +112,20 @@ class _Plan:
         return i * self.qc, min((i + 1) * self.qc, self.T)
 
     def k_range(self, j: int):
-        return j * self.kc, min((j + 1) * self.kc, self.T)
+        return j * self.kc, min((j + 1) * self.kc, self.Tk)
 
 
 def _disallowed(plan: _Plan, i: int, j: int, nc: bool, nd: bool, doc_BT, idx_T):
-    """[B or 1, 1, cq, ck] bool, True where the entry is masked out; None when nothing is."""
+    """[B or 1, 1, cq, ck] bool, True where the entry is masked out; None when nothing is.
+    ``idx_T``: arange over the keys (query i's position is ``q_offset + i``)."""
     q0, q1 = plan.q_range(i)
     k0, k1 = plan.k_range(j)
+    t0 = plan.q_offset
     out = None
     if nc:
-        out = (idx_T[None, k0:k1] > idx_T[q0:q1, None])[None, None]
+        out = (idx_T[None, k0:k1] > idx_T[t0 + q0:t0 + q1, None])[None, None]
     if nd:
-        other = (doc_BT[:, q0:q1, None] != doc_BT[:, None, k0:k1]).unsqueeze(1)
+        other = (doc_BT[:, t0 + q0:t0 + q1, None] != doc_BT[:, None, k0:k1]).unsqueeze(1)
         out = other if out is None else out | other
     return out
 
@@ -118,7 +134,7 @@ def _forward(q, k, v, doc_BT, scale: float, plan: _Plan):
     B, H, T, _ = q.shape
     o = torch.empty(B, H, T, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-    idx = torch.arange(T, device=q.device)
+    idx = torch.arange(plan.Tk, device=q.device)
     neg_inf = float("-inf")
     for i, pairs in enumerate(plan.rows):
         q0, q1 = plan.q_range(i)
@@ -145,8 +161,7 @@ def _forward(q, k, v, doc_BT, scale: float, plan: _Plan):
 
 
 def _backward(do, q, k, v, o, lse, doc_BT, scale: float, plan: _Plan):
-    B, H, T, _ = q.shape
-    idx = torch.arange(T, device=q.device)
+    idx = torch.arange(plan.Tk, device=q.device)
     neg_inf = float("-inf")
     delta = (do.float() * o.float()).sum(-1)  # [B, H, T]: rowsum(dO * O)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -173,8 +188,8 @@ def _backward(do, q, k, v, o, lse, doc_BT, scale: float, plan: _Plan):
 
 class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, doc_BT, scale, q_chunk, k_chunk):
-        plan = _Plan(q.shape[2], q_chunk, k_chunk, doc_BT)
+    def forward(ctx, q, k, v, doc_BT, scale, q_chunk, k_chunk, q_offset):
+        plan = _Plan(q.shape[2], q_chunk, k_chunk, doc_BT, q_offset, k.shape[2])
         o, lse = _forward(q, k, v, doc_BT, scale, plan)
         ctx.save_for_backward(q, k, v, o, lse, doc_BT)
         ctx.plan, ctx.scale = plan, scale
@@ -185,29 +200,37 @@ class _ChunkedAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse, doc_BT = ctx.saved_tensors
         dq, dk, dv = _backward(do, q, k, v, o, lse, doc_BT, ctx.scale, ctx.plan)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
-def _check(q, k, v, doc_ids_BT):
-    if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+def _check(q, k, v, doc_ids_BT, q_offset: int = 0):
+    same = q.shape == k.shape if q_offset == 0 else (k.dim() == 4 and q.shape[:2] == k.shape[:2]
+                                                      and q.shape[3] == k.shape[3])
+    if q.dim() != 4 or not same or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"expected q, k [B, H, T, K] and v [B, H, T, V]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if doc_ids_BT is not None and tuple(doc_ids_BT.shape) != (q.shape[0], q.shape[2]):
-        raise ValueError(f"doc_ids_BT must be [B, T] = {[q.shape[0], q.shape[2]]}; got {list(doc_ids_BT.shape)}")
+    if q_offset < 0 or q_offset + q.shape[2] > k.shape[2]:
+        raise ValueError(f"q_offset={q_offset} with {q.shape[2]} queries needs at least "
+                         f"{q_offset + q.shape[2]} keys; got {k.shape[2]}")
+    if doc_ids_BT is not None and tuple(doc_ids_BT.shape) != (k.shape[0], k.shape[2]):
+        raise ValueError(f"doc_ids_BT must be [B, T] = {[k.shape[0], k.shape[2]]}; got {list(doc_ids_BT.shape)}")
 
 
 def chunked_attention(q_BHTK, k_BHTK, v_BHTV, scale: float, doc_ids_BT: Optional[torch.Tensor] = None,
-                      q_chunk: int = DEFAULT_Q_CHUNK, k_chunk: int = DEFAULT_K_CHUNK) -> torch.Tensor:
+                      q_chunk: int = DEFAULT_Q_CHUNK, k_chunk: int = DEFAULT_K_CHUNK,
+                      q_offset: int = 0) -> torch.Tensor:
     """Causal same-document attention, chunk by chunk (shapes in the module docstring).
 
-    ``q_chunk`` / ``k_chunk``: query / key tokens per chunk (need not divide T). Math in fp32; returns
-    q's dtype; gradients flow to q, k, v (not to ``doc_ids_BT``).
+    ``q_chunk`` / ``k_chunk``: query / key tokens per chunk (need not divide T). ``q_offset``: the
+    queries' position among the keys (module docstring). Math in fp32; returns q's dtype; gradients
+    flow to q, k, v (not to ``doc_ids_BT``).
     """
-    _check(q_BHTK, k_BHTK, v_BHTV, doc_ids_BT)
+    _check(q_BHTK, k_BHTK, v_BHTV, doc_ids_BT, q_offset)
     if q_chunk < 1 or k_chunk < 1:
         raise ValueError(f"q_chunk and k_chunk must be >= 1; got {q_chunk}, {k_chunk}")
     doc = None if doc_ids_BT is None else doc_ids_BT.to(q_BHTK.device)
-    return _ChunkedAttention.apply(q_BHTK, k_BHTK, v_BHTV, doc, float(scale), int(q_chunk), int(k_chunk))
+    return _ChunkedAttention.apply(q_BHTK, k_BHTK, v_BHTV, doc, float(scale), int(q_chunk), int(k_chunk),
+                                   int(q_offset))
 
 
 @functools.lru_cache(maxsize=None)
@@ -236,15 +259,19 @@ def _flex_document_attention(q, k, v, doc_BT, scale):
 
 
 def attention(q_BHTK, k_BHTK, v_BHTV, scale: float, doc_ids_BT: Optional[torch.Tensor] = None,
-              q_chunk: int = DEFAULT_Q_CHUNK, k_chunk: int = DEFAULT_K_CHUNK) -> torch.Tensor:
+              q_chunk: int = DEFAULT_Q_CHUNK, k_chunk: int = DEFAULT_K_CHUNK, q_offset: int = 0) -> torch.Tensor:
     """Causal same-document attention: SDPA without documents, FlexAttention (CUDA) or
     ``chunked_attention`` with them.
 
     Shapes in the module docstring; ``doc_ids_BT=None`` means one document per row. Chunk sizes apply
-    to the chunked path only.
+    to the chunked path only. With a query offset, or fewer queries than keys, the chunked path runs
+    on every device (SDPA's ``is_causal`` aligns the mask top-left; the FlexAttention twin with an
+    offset mask_mod is not written yet).
     """
     global _flex_failed
-    _check(q_BHTK, k_BHTK, v_BHTV, doc_ids_BT)
+    _check(q_BHTK, k_BHTK, v_BHTV, doc_ids_BT, q_offset)
+    if q_offset or q_BHTK.shape[2] != k_BHTK.shape[2]:
+        return chunked_attention(q_BHTK, k_BHTK, v_BHTV, scale, doc_ids_BT, q_chunk, k_chunk, q_offset)
     if doc_ids_BT is None:
         return F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTV, is_causal=True, scale=scale)
     if q_BHTK.is_cuda:

@@ -55,7 +55,7 @@ def permute(indices_TK: torch.Tensor, num_experts: int):
     flat_X = indices_TK.reshape(-1)
     order_X = torch.argsort(flat_X, stable=True)
     token_of_row_X = order_X // indices_TK.shape[1]
-    tokens_per_expert_E = torch.bincount(flat_X, minlength=num_experts)
+    tokens_per_expert_E = count_per_expert(flat_X, num_experts)
     return order_X, token_of_row_X, tokens_per_expert_E
 
 
@@ -75,16 +75,68 @@ def unpermute(y_sorted_XL: torch.Tensor, order_X: torch.Tensor, weights_TK: torc
 
 
 # ---- experts ---------------------------------------------------------------------------------
+#
+# Three implementations of one grouped GEMM (rows sorted by group, group g uses w[g]):
+#
+#   "grouped_mm"  torch's grouped GEMM (F.grouped_mm). On CUDA only its bf16 CUTLASS kernel (sm90 /
+#                 sm100) is sync-free; its CUDA fallback for other dtypes reads the offsets on the
+#                 host (offs.cpu()), so it is used on CUDA only for bf16 (the autocast compute dtype)
+#                 on those GPUs. On CPU it runs fp32/bf16/fp16 (no device, so no sync).
+#   "tiled"       a fixed-shape twin for everything else (fp64, CUDA fp32 without autocast, older
+#                 GPUs): each group's rows are padded to tiles of t = ceil(X/G) rows, the tiles are
+#                 one ``torch.bmm`` against the gathered weight of each tile. Shapes depend only on
+#                 (X, G): at most X/t + G <= 2G tiles, so it costs at most 2x the FLOPs of the
+#                 grouped GEMM plus a transient gather of <= 2G weight matrices, and no host sync.
+#                 (On CUDA the weight gradient of the gather is an index_add: not bitwise
+#                 reproducible there; the grouped_mm path is.)
+#   "loop"        the reference twin: one GEMM per non-empty group, sizes read with ``.tolist()``
+#                 (a host sync), kept for tests and for forcing an obviously-correct path.
+#
+# Under autocast both operands are cast to the autocast dtype first (as autocast does for
+# ``matmul``), so fp32 masters train through the bf16 grouped GEMM: the cast is the only copy.
+
+IMPLS = ("grouped_mm", "tiled", "loop")
+
+
+def count_per_expert(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [num_experts] selections per expert: a fixed-length scatter-add (``bincount`` sizes its
+    output from the data, which is a host sync on CUDA)."""
+    flat = indices.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int64))
+
+
+def _compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev) and x.dtype.is_floating_point and x.dtype != torch.float64:
+        return torch.get_autocast_dtype(dev)
+    return torch.promote_types(x.dtype, w.dtype)
+
 
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """torch's grouped GEMM pays off on CUDA in bf16 with 16-byte aligned rows; elsewhere loop.
+    """Whether torch's grouped GEMM runs these operands without a host sync (see the note above)."""
+    if not hasattr(F, "grouped_mm") or x.shape[0] == 0:  # grouped_mm's backward rejects empty grads
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if x.device.type != "cuda" or x.dtype != torch.bfloat16:
+        return False
+    return (x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0  # 16-byte aligned rows for CUTLASS
+            and torch.cuda.get_device_capability(x.device)[0] in (9, 10))
 
-    (torch 2.13 also runs F.grouped_mm on CPU for fp32/bf16, but no faster than the loop and not
-    for fp64; the CPU path is exercised by the tests against the loop.)
-    """
-    return (hasattr(F, "grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16 == w.dtype
-            and x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0
-            and torch.cuda.get_device_capability(x.device)[0] >= 9)  # CUTLASS kernel needs sm90+
+
+def pick_impl(x: torch.Tensor, w: torch.Tensor, impl=None) -> str:
+    """Resolve ``impl``: None/'auto' -> 'grouped_mm' where sync-free, else 'tiled'; True ->
+    'grouped_mm', False -> 'loop' (the old boolean switch); a name is kept."""
+    if impl is None or impl == "auto":
+        return "grouped_mm" if _grouped_mm_ok(x, w) else "tiled"
+    if impl is True:
+        return "grouped_mm" if x.shape[0] > 0 else "tiled"
+    if impl is False:
+        return "loop"
+    if impl not in IMPLS:
+        raise ValueError(f"grouped_linear: impl={impl!r}; choose one of auto, {', '.join(IMPLS)}")
+    return "tiled" if impl == "grouped_mm" and x.shape[0] == 0 else impl
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -100,28 +152,57 @@ class _ContiguousGrad(torch.autograd.Function):
         return g.contiguous()
 
 
+def _tiled_grouped_linear(x_XI: torch.Tensor, w_GOI: torch.Tensor, rows_G: torch.Tensor) -> torch.Tensor:
+    """Fixed-shape grouped GEMM: group-aligned tiles of t rows through one bmm (see the note above)."""
+    X, I = x_XI.shape
+    G, O = w_GOI.shape[0], w_GOI.shape[1]
+    dev = x_XI.device
+    t = max(1, -(-X // G))                       # tile rows
+    n = (X + G * (t - 1)) // t                   # >= sum_g ceil(rows_g / t): enough tiles
+    rows_G = rows_G.to(device=dev, dtype=torch.int64)
+    tiles_G = (rows_G + (t - 1)) // t
+    tile_end_G = tiles_G.cumsum(0)
+    group_X = torch.repeat_interleave(torch.arange(G, device=dev), rows_G, output_size=X)
+    pos_X = torch.arange(X, device=dev) - (rows_G.cumsum(0) - rows_G)[group_X]
+    dest_X = (tile_end_G - tiles_G)[group_X] * t + pos_X        # row slot in the padded tile layout
+    group_N = torch.searchsorted(tile_end_G, torch.arange(n, device=dev), right=True).clamp_(max=G - 1)
+    x_pad = x_XI.new_zeros((n * t, I)).index_copy(0, dest_X, x_XI)
+    y_NtO = torch.bmm(x_pad.view(n, t, I), w_GOI.index_select(0, group_N).transpose(1, 2))
+    return y_NtO.reshape(n * t, O).index_select(0, dest_X)
+
+
+def _loop_grouped_linear(x_XI: torch.Tensor, w_GOI: torch.Tensor, rows_G: torch.Tensor) -> torch.Tensor:
+    """The reference twin: one GEMM per non-empty group (``.tolist()``: a host sync)."""
+    counts = rows_G.tolist()
+    assert sum(counts) == x_XI.shape[0], "tokens_per_expert must sum to the number of rows"
+    outs = [chunk @ w_GOI[e].T for e, chunk in enumerate(torch.split(x_XI, counts)) if counts[e] > 0]
+    if not outs:  # no rows at all: keep the weights in the graph (zero grads, not None)
+        return x_XI @ w_GOI[0].T
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
 def grouped_linear(x_XI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E: torch.Tensor,
-                   use_grouped_mm: bool | None = None) -> torch.Tensor:
+                   use_grouped_mm=None) -> torch.Tensor:
     """Per-group x @ w[e]^T on contiguous row groups: x_XI [X, I], w_EOI [E, O, I] -> [X, O].
 
     Rows ``offsets[e-1]:offsets[e]`` (offsets = cumsum of tokens_per_expert_E) use expert e.
-    ``use_grouped_mm`` None picks torch's grouped GEMM when it pays off (see ``_grouped_mm_ok``);
-    the loop over non-empty experts is its reference twin (one host sync for the counts).
+    ``use_grouped_mm``: None/'auto' (grouped_mm where it is sync-free, else 'tiled'), 'grouped_mm',
+    'tiled', 'loop', or the old booleans (True = grouped_mm, False = loop); see the note above.
+    The result has the compute dtype (the autocast dtype under autocast, else x's).
     """
     store = active_store()  # zero-bubble pipelines defer the weight gradient (megak3/ops/weight_grad.py)
     if store is not None and w_EOI.requires_grad and x_XI.requires_grad and torch.is_grad_enabled():
         return deferred_grouped_linear(store, x_XI, w_EOI, tokens_per_expert_E, use_grouped_mm)
-    if use_grouped_mm is None:
-        use_grouped_mm = _grouped_mm_ok(x_XI, w_EOI)
-    if use_grouped_mm and x_XI.shape[0] > 0:  # grouped_mm's backward rejects empty gradients
-        offs_E = tokens_per_expert_E.cumsum(0).to(torch.int32)
+    dt = _compute_dtype(x_XI, w_EOI)
+    x_XI, w_EOI = x_XI.to(dt), w_EOI.to(dt)
+    impl = pick_impl(x_XI, w_EOI, use_grouped_mm)
+    if impl == "loop":
+        return _loop_grouped_linear(x_XI, w_EOI, tokens_per_expert_E)
+    if impl == "tiled":
+        return _tiled_grouped_linear(x_XI, w_EOI, tokens_per_expert_E)
+    offs_E = tokens_per_expert_E.cumsum(0).to(device=x_XI.device, dtype=torch.int32)
+    with torch.autocast(x_XI.device.type, enabled=False):  # operands already in the compute dtype
         return _ContiguousGrad.apply(F.grouped_mm(x_XI, w_EOI.transpose(-2, -1), offs=offs_E))
-    counts = tokens_per_expert_E.tolist()
-    assert sum(counts) == x_XI.shape[0], "tokens_per_expert must sum to the number of rows"
-    outs = [chunk @ w_EOI[e].T for e, chunk in enumerate(torch.split(x_XI, counts)) if counts[e] > 0]
-    if not outs:  # no rows at all: keep the weights in the graph (zero grads, not None)
-        return x_XI @ w_EOI[0].T
-    return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 class GroupedExperts(nn.Module):
@@ -143,7 +224,8 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.num_experts = num_experts
         self.beta1, self.beta2 = float(beta1), float(beta2)
-        self.use_grouped_mm: bool | None = None  # None: automatic; True/False force a path (tests)
+        self.use_grouped_mm: bool | str | None = None
+        """GEMM implementation: None = automatic, or 'grouped_mm' | 'tiled' | 'loop' (see grouped_linear)"""
         self.weight_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.act_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.w1 = nn.Parameter(torch.empty(num_experts, intermediate_size, latent_size))
@@ -210,7 +292,7 @@ class LatentMoE(nn.Module):
         z_TL = self.routed_expert_down_proj(x_TD)
         if self.expert_dispatch is not None:
             u_TL = self.expert_dispatch(z_TL, route, self.experts).to(x_TD.dtype)
-            tokens_per_expert_E = torch.bincount(route.indices_TK.reshape(-1), minlength=self.num_experts)
+            tokens_per_expert_E = count_per_expert(route.indices_TK, self.num_experts)
         else:
             order_X, token_of_row_X, tokens_per_expert_E = permute(route.indices_TK, self.num_experts)
             y_sorted_XL = self.experts(z_TL[token_of_row_X], tokens_per_expert_E)

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 DEMO = "demo"
+DEMO_VISION = "demo_vision"
+DEMOS = (DEMO, DEMO_VISION)
 PREPROCESS_HINT = "run: python tools/preprocess_data.py --input <files or dirs> --output-prefix {prefix} --train-tokenizer"
 
 
@@ -30,7 +32,8 @@ class DataConfig:
     """Training data: an indexed dataset (``prefix.bin`` + ``prefix.idx``) and its tokenizer."""
 
     path: str = DEMO
-    """dataset prefix (``/x/y`` for ``/x/y.bin`` + ``/x/y.idx``), or "demo" for the built-in stdlib corpus"""
+    """dataset prefix (``/x/y`` for ``/x/y.bin`` + ``/x/y.idx``), "demo" for the built-in stdlib corpus, or
+    "demo_vision" for the built-in rendered-shapes image-text corpus"""
     tokenizer: Optional[str] = None
     """path to tokenizer.json; None = ``tokenizer.json`` beside the dataset (automatic for "demo")"""
     cache_dir: str = field(default_factory=default_cache_dir)
@@ -56,11 +59,11 @@ class DataConfig:
             raise DataError(f"data.valid_fraction={self.valid_fraction} must lie in [0, 1)")
         if self.workers < 1:
             raise DataError(f"data.workers={self.workers} must be >= 1")
-        if self.path == DEMO and self.tokenizer:
+        if self.path in DEMOS and self.tokenizer:
             raise DataError(f'data.tokenizer={self.tokenizer}: the demo corpus brings its own tokenizer; '
-                            'leave data.tokenizer unset (null) with data.path=demo')
+                            f'leave data.tokenizer unset (null) with data.path={self.path}')
         # 4 special tokens + 256 byte-level symbols are always in the vocabulary.
-        if self.path == DEMO and self.vocab_size < 260:
+        if self.path in DEMOS and self.vocab_size < 260:
             raise DataError(f"data.vocab_size={self.vocab_size} must be >= 260 (4 special + 256 byte tokens)")
         return self
 
@@ -74,6 +77,10 @@ def resolve_dataset(cfg: DataConfig) -> Tuple[str, str]:
     from megak3.data.indexed import IndexedDataset  # local: keeps `import config` free of numpy
 
     cfg.validate()
+    if cfg.path == DEMO_VISION:
+        from megak3.data.demo_vision import build_demo_vision_dataset
+
+        return build_demo_vision_dataset(os.path.expanduser(cfg.cache_dir), vocab_size=cfg.vocab_size)
     if cfg.path == DEMO:
         if cfg.tokenizer:
             raise DataError(f'data.tokenizer={cfg.tokenizer}: the demo corpus brings its own tokenizer; '

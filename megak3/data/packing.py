@@ -21,7 +21,7 @@ is a ``searchsorted`` into the epoch's cumulative lengths.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -49,11 +49,15 @@ def split_documents(num_docs: int, split: str, valid_fraction: float) -> np.ndar
 
 @dataclass
 class Sample:
-    """One packed row: ``input_ids``/``labels`` int64 [T]; ``doc_starts`` int64 row offsets, starting with 0."""
+    """One packed row: ``input_ids``/``labels`` int64 [T]; ``doc_starts`` int64 row offsets, starting with 0;
+    ``images``: uint8 [H, W, 3] arrays whose slots are in this row, in order (None for text-only data)."""
 
     input_ids: np.ndarray
     labels: np.ndarray
     doc_starts: np.ndarray
+    images: Optional[List[np.ndarray]] = None
+    vision_tokens: int = 0
+    """``<|media|>`` slots in the row (the images' LM tokens)"""
 
 
 class PackedDataset:
@@ -92,13 +96,21 @@ class PackedDataset:
             self._epoch_cache[epoch] = (self.docs[perm], cum)
         return self._epoch_cache[epoch]
 
+    def samples_in_epoch(self, epoch: int) -> int:
+        """Samples of ``epoch``; the same for every epoch here (image rows vary: vision_dataset.py)."""
+        return len(self)
+
     def sample(self, index: int, epoch: int = 0) -> Sample:
         """Sample ``index`` (``0 <= index < len(self)``) of ``epoch``."""
         if not 0 <= index < len(self):
             raise IndexError(f"sample {index} out of range for {len(self)} samples per epoch")
+        start = index * self.seq_len
+        return self.fill_row(epoch, start, min(start + self.seq_len, self.num_tokens))
+
+    def fill_row(self, epoch: int, start: int, end: int) -> Sample:
+        """One row holding epoch-stream tokens ``[start, end)`` (``end - start <= T``), padded to T."""
         order, cum = self._epoch(epoch)
-        T, start = self.seq_len, index * self.seq_len
-        end = min(start + T, self.num_tokens)
+        T = self.seq_len
         input_ids = np.full(T, self.pad_id, dtype=np.int64)
         labels = np.full(T, IGNORE_INDEX, dtype=np.int64)
         d = int(np.searchsorted(cum, start, side="right")) - 1  # document holding stream token `start`
@@ -173,18 +185,20 @@ class Batcher:
         return self
 
     def __next__(self) -> dict:
-        n = len(self.packed)
-        g = self.epoch * n + self.position  # global sample index
-        stop = None if self._stop_epoch is None else self._stop_epoch * n
-        first = g + self.dp_rank * self.B
-        rows = [self.packed.sample(i % n, i // n) for i in range(first, first + self.B)
-                if stop is None or i < stop]
+        # walk the step's dp_size * B global samples; this rank keeps rows [r*B, (r+1)*B)
+        epoch, pos, rows = self.epoch, self.position, []
+        mine = range(self.dp_rank * self.B, (self.dp_rank + 1) * self.B)
+        for j in range(self.dp_size * self.B):
+            if self._stop_epoch is not None and epoch >= self._stop_epoch:
+                break
+            if j in mine:
+                rows.append(self.packed.sample(pos, epoch))
+            pos += 1
+            if pos >= self.packed.samples_in_epoch(epoch):
+                epoch, pos = epoch + 1, 0
         if not rows:
             raise StopIteration
-        g += self.dp_size * self.B
-        if stop is not None:
-            g = min(g, stop)
-        self.epoch, self.position = divmod(g, n)
+        self.epoch, self.position = epoch, pos
         return collate(rows)
 
 
@@ -192,12 +206,21 @@ def collate(rows) -> dict:
     """Stack samples into ``input_ids``/``labels`` LongTensor [B, T] and int32 ``cu_seqlens`` over B*T.
 
     ``num_tokens`` counts labels that enter the loss (!= -100), for token-weighted averaging
-    across micro-batches and ranks.
+    across micro-batches and ranks. Rows with images add ``images``: float32 [3, H, W] tensors in
+    [-1, 1], in row-major slot order (the order ``K3Model.embed`` splices them), and
+    ``num_images`` / ``vision_tokens``.
     """
     T = len(rows[0].input_ids)
     input_ids_BT = torch.from_numpy(np.stack([r.input_ids for r in rows]))
     labels_BT = torch.from_numpy(np.stack([r.labels for r in rows]))
     offsets = [r.doc_starts + b * T for b, r in enumerate(rows)] + [np.array([len(rows) * T])]
     cu_seqlens = torch.from_numpy(np.concatenate(offsets).astype(np.int32))
-    return dict(input_ids=input_ids_BT, labels=labels_BT, cu_seqlens=cu_seqlens,
-                num_tokens=int((labels_BT != IGNORE_INDEX).sum()))
+    out = dict(input_ids=input_ids_BT, labels=labels_BT, cu_seqlens=cu_seqlens,
+               num_tokens=int((labels_BT != IGNORE_INDEX).sum()))
+    if any(r.images is not None for r in rows):
+        from megak3.data.images import pixels_to_tensor
+
+        out["images"] = [pixels_to_tensor(a) for r in rows for a in (r.images or ())]
+        out["num_images"] = len(out["images"])
+        out["vision_tokens"] = sum(r.vision_tokens for r in rows)
+    return out

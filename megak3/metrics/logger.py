@@ -23,6 +23,8 @@ _CONSOLE_FIELDS = (
     ("lr", "lr", "{:.3e}"),
     ("grad_norm", "gnorm", "{:.3f}"),
     ("tokens_per_s", "tok/s", "{:,.0f}"),
+    ("images_per_s", "img/s", "{:,.1f}"),
+    ("vision_tokens", "vis tok", "{:,.0f}"),
     ("step_time_ms", "step", "{:.0f}ms"),
     ("tflops_per_rank", "TFLOP/s/rank", "{:.3f}"),
     ("mfu", "mfu", "{:.1%}"),

@@ -28,6 +28,13 @@ from megak3.config import VisionConfig
 from megak3.model.norm import RMSNorm
 
 
+def num_image_tokens(H, W, patch_size: int, merge: int):
+    """LM tokens of one H x W image: (H / (p*m)) * (W / (p*m)) merged patches; the data pipeline
+    reserves exactly this many ``<|media|>`` slots (works element-wise on integer arrays too)."""
+    side = patch_size * merge
+    return (H // side) * (W // side)
+
+
 def patchify(image_CHW: torch.Tensor, p: int) -> torch.Tensor:
     """[C, H, W] -> [h*w, C*p*p], patches row-major; each patch flattened (C, py, px) like a
     Conv2d weight ``[D, C, p, p]`` so ``patch_embed`` equals a stride-p convolution."""
@@ -144,8 +151,7 @@ class VisionTower(nn.Module):
 
     def num_tokens(self, H: int, W: int) -> int:
         """LM tokens produced for one H x W image: (H/p/m) * (W/p/m)."""
-        side = self.vcfg.patch_size * self.vcfg.merge
-        return (H // side) * (W // side)
+        return num_image_tokens(H, W, self.vcfg.patch_size, self.vcfg.merge)
 
     def _check(self, i: int, image: torch.Tensor) -> None:
         C, side = self.vcfg.in_channels, self.vcfg.patch_size * self.vcfg.merge

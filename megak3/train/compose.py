@@ -213,14 +213,14 @@ def to_job(cfg: DictConfig, world_size: Optional[int] = None, notices: Optional[
 def check_local(job: JobConfig) -> None:
     """What this machine must provide for the job: CUDA when asked for, the dataset and tokenizer
     files, the checkpoint to resume from. Reads, never writes."""
-    from ..data.config import DEMO, resolve_dataset
+    from ..data.config import DEMOS, resolve_dataset
 
     if job.train.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise ConfigError("train.device=cuda but CUDA is not available; use train.device=cpu or auto")
-    if job.data.path != DEMO:
+    if job.data.path not in DEMOS:
         _, tok = resolve_dataset(job.data)
         from ..data.tokenizer import load_tokenizer
 
@@ -228,6 +228,10 @@ def check_local(job: JobConfig) -> None:
         if n > job.model.vocab_size:
             raise ConfigError(f"tokenizer {tok} has {n} tokens but model.vocab_size={job.model.vocab_size}; "
                               "raise model.vocab_size or use the tokenizer the model was built for")
+    if job.train.init_from_hf:
+        from ..interop.hf_load import check_hf_dir
+
+        check_hf_dir(job.train.init_from_hf)
     r = job.train.resume
     if r not in ("none", "auto") and not os.path.isdir(os.path.expanduser(r)):
         raise ConfigError(f"train.resume={r}: no such checkpoint directory; give RUN_DIR/checkpoints/step_XXXXXXXX, "

@@ -51,6 +51,8 @@ class TrainConfig:
     """a step whose global gradient norm (hence loss) is NaN/inf: 'skip' it (no update, counted) or 'stop'"""
     max_nonfinite_steps: int = 10
     """with nonfinite=skip: stop with an error once more than this many steps were skipped"""
+    init_from_hf: Optional[str] = None
+    """Hugging Face checkpoint directory (model.safetensors.index.json + shards, e.g. the released Kimi K3) whose weights replace the initialisation; each rank reads only its shards (train.resume, when it finds a checkpoint, wins)"""
     resume: str = "none"
     """'none', 'auto' (newest complete checkpoint in run_dir/checkpoints) or a checkpoint directory"""
     run_dir: Optional[str] = None
@@ -75,6 +77,8 @@ class TrainConfig:
         need(self.keep_last >= 1, "keep_last", "must be >= 1")
         need(self.nonfinite in ("skip", "stop"), "nonfinite", "must be 'skip' or 'stop'")
         need(self.max_nonfinite_steps >= 0, "max_nonfinite_steps", "must be >= 0")
+        need(self.init_from_hf is None or str(self.init_from_hf).strip() != "", "init_from_hf",
+             "must be a directory path or null")  # the directory itself: compose.check_local / RankStep
         return self
 
 
@@ -106,18 +110,21 @@ class JobConfig:
         self.optim.validate(self.train.max_steps)
         self.logging.validate()
         self.quant.validate()
-        for axis, name in (("cp", "context"), ("etp", "expert tensor")):  # the grid has them, the trainer not yet
-            if isinstance(getattr(self.parallel, axis), int) and getattr(self.parallel, axis) > 1:
-                raise ValueError(f"parallel.{axis}={getattr(self.parallel, axis)}: {name} parallelism is not built "
-                                 f"yet; set parallel.{axis}=1")
+        etp = self.parallel.etp  # the grid has it, the trainer not yet
+        if isinstance(etp, int) and not isinstance(etp, bool) and etp > 1:
+            raise ValueError(f"parallel.etp={etp}: expert tensor parallelism is not built yet; set parallel.etp=1")
         self.parallel.validate(world_size, self.model)
+        from parallel.context_parallel import check_context_parallel
+
+        check_context_parallel(self.parallel.cp, self.parallel.tp, self.parallel.sequence_parallel,
+                               self.data.seq_len, self.model)
         self.moonep.validate(self.model.moe.num_experts, self.parallel.ep)
         par, t = self.parallel, self.train
         check_expert_tp(par.ep, par.tp, par.sequence_parallel)
         if par.sequence_parallel and par.tp > 1 and self.data.seq_len % par.tp:
             raise ValueError(f"data.seq_len={self.data.seq_len} must be a multiple of parallel.tp={par.tp} "
                              "with parallel.sequence_parallel=true")
-        if self.data.path == "demo" and self.data.vocab_size > self.model.vocab_size:
+        if self.data.path in ("demo", "demo_vision") and self.data.vocab_size > self.model.vocab_size:
             raise ValueError(f"data.vocab_size={self.data.vocab_size} exceeds model.vocab_size={self.model.vocab_size}; "
                              "lower data.vocab_size or raise model.vocab_size")
         rows = t.micro_batch_size * par.resolved_dp(world_size)

@@ -15,7 +15,10 @@ engine, QAT hooks, the ZeRO-1 optimizer and the Quantile-Balancing accumulators.
 
 Loss contract: each micro-batch backpropagates ``loss_sum / step_tokens`` where step_tokens is the
 step's labelled-token count over the data-parallel group, so gradients are sums over
-micro-batches and ranks, and the gradient does not depend on how the batch is split.
+micro-batches and ranks, and the gradient does not depend on how the batch is split. Under context
+parallelism every CP rank receives the whole rows (step_tokens counts them), the model cuts its
+segment (``K3Model.shard_inputs``), and ``loss_sum`` is the loss of this rank's segment: consumers
+sum it over ``ps.dp_cp_group``.
 """
 from __future__ import annotations
 
@@ -59,12 +62,17 @@ class RankStep:
         self.model = build_model(job.model, device="meta")
         self.plan = parallelize(self.model, ps, par, job.moonep)
         materialize(self.model, self.plan, t.seed, job.model.init_std, self.device)
+        self.hf_stats = None
+        if t.init_from_hf:  # released / exported HF weights replace the init, each rank its own boxes
+            from ..interop.hf_load import load_hf_into
+
+            self.hf_stats = load_hf_into(self.model, self.plan, t.init_from_hf, job.model)
         self.load_recorder = self.plan.load_recorder or LoadRecorder()
         self.engine = None
         if ps.pp_size > 1:
             check_schedule(par.pp_schedule, ps.pp_size, par.vp, grad_accum)
             self.engine = PipelineEngine(self.model, self.plan.stage_chunks, ps.pp_group, par.pp_schedule,
-                                         seq_shard=ps.tp_size if self.plan.sequence_parallel else 1,
+                                         seq_shard=(ps.tp_size if self.plan.sequence_parallel else 1) * ps.cp_size,
                                          timeout_s=par.timeout_s)
         apply_quantization(self.model, job.quant)  # QAT hooks sit where the expert weights live
         self.model.gradient_checkpointing = t.activation_checkpointing
@@ -81,19 +89,30 @@ class RankStep:
         return stack
 
     def to_device(self, batch: dict) -> dict:
-        return {k: (v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+        def move(v):
+            if torch.is_tensor(v):
+                return v.to(self.device, non_blocking=True)
+            return [move(x) for x in v] if isinstance(v, list) else v  # images: a list of [C, H, W]
+
+        return {k: move(v) for k, v in batch.items()}
 
     def accumulate(self, micro: list) -> dict:
         """Forward/backward over one step's micro-batches (host tensors, moved here); feeds the QB
         accumulators. Returns this rank's step record of DEVICE tensors: ``loss_sum`` (its
         micro-batches' labelled-token loss), ``step_tokens`` (labelled tokens over the data-parallel
-        group: the one collective here), ``loads`` [MoE layers, E] or None, and ``tokens`` (input
-        tokens of the step over the data-parallel group, an int)."""
+        group: the one collective here), ``loads`` [MoE layers, E] or None, ``tokens`` (input
+        tokens of the step over the data-parallel group, an int), ``images`` / ``vision_tokens``
+        (over the data-parallel group, 0 for text). A micro-batch's ``images`` (list of [C, H, W])
+        reach the vision tower, which runs where the embedding does (the first pipeline stage)."""
         model, ps = self.model, self.ps
         model.train()
         local_tokens = sum(int((b["labels"] != -100).sum()) for b in micro)  # host batches: no sync
-        step_tokens = all_reduce_sum(torch.tensor([float(local_tokens)], dtype=torch.float64, device=self.device),
-                                     [ps.dp_group])
+        # images and their LM tokens ride in the same all-reduce (for the log line)
+        dp_counts = torch.tensor([float(local_tokens), float(sum(b.get("num_images", 0) for b in micro)),
+                                  float(sum(b.get("vision_tokens", 0) for b in micro))],
+                                 dtype=torch.float64, device=self.device)
+        dp_counts = all_reduce_sum(dp_counts, [ps.dp_group])
+        step_tokens = dp_counts[:1]
         denom = step_tokens.clamp_min(1.0)
         micro = [self.to_device(b) for b in micro]
         loads = None
@@ -106,7 +125,8 @@ class RankStep:
             stats_per_mb, loss_sum = [], torch.zeros((), dtype=torch.float64, device=self.device)
             for b in micro:
                 with self.autocast():
-                    out = model(b["input_ids"], labels=b["labels"], cu_seqlens=b.get("cu_seqlens"))
+                    out = model(b["input_ids"], labels=b["labels"], cu_seqlens=b.get("cu_seqlens"),
+                                images=b.get("images"))
                 (out.loss_sum / denom[0].to(out.loss_sum.dtype)).backward()
                 loss_sum = loss_sum + out.loss_sum.detach().double()
                 stats_per_mb.append(out.moe_stats)
@@ -121,7 +141,8 @@ class RankStep:
                 acc.add(st.scores_TE, bias)
         sync_partial_grads(model, self.plan, ps.tp_group)
         tokens = sum(b["input_ids"].numel() for b in micro) * ps.dp_size
-        return {"loss_sum": loss_sum, "step_tokens": step_tokens, "loads": loads, "tokens": tokens}
+        return {"loss_sum": loss_sum, "step_tokens": step_tokens, "loads": loads, "tokens": tokens,
+                "images": dp_counts[1], "vision_tokens": dp_counts[2]}
 
     def apply(self, step: int, max_steps: int) -> dict:
         """Reduce over DP, clip by the global norm, Muon/AdamW step at the LR of ``step`` (0-based),

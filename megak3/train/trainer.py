@@ -21,13 +21,16 @@ import torch
 import torch.distributed as dist
 
 from parallel.config import check_expert_tp
+from parallel.context_parallel import check_context_parallel
 from parallel.data_parallel import CANONICAL_FORMAT, load_consolidated_state
 from parallel.plan import ParallelPlan, canonical_name
 from parallel.state import ParallelState
 
 from ..data.config import resolve_dataset
 from ..data.indexed import IndexedDataset
-from ..data.packing import Batcher, PackedDataset
+from ..data.images import has_images
+from ..data.packing import Batcher
+from ..data.vision_dataset import open_split
 from ..data.tokenizer import load_tokenizer
 from ..launch.preemption import Preempted, PreemptionHandler
 from ..metrics.logger import TrainLogger
@@ -66,11 +69,11 @@ class Trainer:
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.config_dict = config_dict
         t, d, par = job.train, job.data, job.parallel
-        for axis in ("cp", "etp"):
-            if getattr(ps, f"{axis}_size") > 1:
-                raise ValueError(f"parallel.{axis}={getattr(ps, f'{axis}_size')}: this build trains tensor, "
-                                 f"sequence, data, expert and pipeline parallel layouts; set parallel.{axis}=1")
+        if ps.etp_size > 1:
+            raise ValueError(f"parallel.etp={ps.etp_size}: this build trains tensor, sequence, context, data, "
+                             "expert and pipeline parallel layouts; set parallel.etp=1")
         check_expert_tp(ps.ep_size, ps.tp_size, par.sequence_parallel)
+        check_context_parallel(ps.cp_size, ps.tp_size, par.sequence_parallel, d.seq_len, job.model)
         rows = t.micro_batch_size * ps.dp_size
         if t.global_batch_size % rows:
             raise ValueError(f"train.global_batch_size={t.global_batch_size} must be a multiple of "
@@ -91,10 +94,12 @@ class Trainer:
             raise ValueError(f"tokenizer {tok_path} has {self.tokenizer.vocab_size} tokens but model.vocab_size="
                              f"{job.model.vocab_size}; raise model.vocab_size or use a smaller data.vocab_size")
         dataset = IndexedDataset(prefix)
-        pad = self.tokenizer.pad_id
-        self.train_data = Batcher(PackedDataset(dataset, d.seq_len, "train", d.valid_fraction, d.seed, pad),
-                                  t.micro_batch_size, ps.dp_rank, ps.dp_size)
-        self._valid_packed = PackedDataset(dataset, d.seq_len, "valid", d.valid_fraction, d.seed, pad)
+        # text, or image-text when the dataset has an image store (megak3/data/vision_dataset.py)
+        split = lambda name: open_split(prefix, d.seq_len, name, d.valid_fraction, d.seed, self.tokenizer,
+                                        job.model)  # noqa: E731
+        self.train_data = Batcher(split("train"), t.micro_batch_size, ps.dp_rank, ps.dp_size)
+        self._valid_packed = split("valid")
+        self.has_images = has_images(prefix)
         self.dataset_prefix = prefix
         self.dataset_tokens = dataset.num_tokens
         self.flops_per_token = summary.train_flops_per_token(job.model, d.seq_len)
@@ -166,7 +171,7 @@ class Trainer:
             common = {"step": self.step, "train_data": self.train_data.state_dict(),
                       "rng": ckpt.capture_rng_state(), "world_size": ps.world_size,
                       "threads": torch.get_num_threads(), "nonfinite_steps": self.nonfinite_steps,
-                      "layout": {"tp": ps.tp_size, "dp": ps.dp_size, "ep": ps.ep_size, "pp": ps.pp_size,
+                      "layout": {"tp": ps.tp_size, "cp": ps.cp_size, "dp": ps.dp_size, "ep": ps.ep_size, "pp": ps.pp_size,
                                  "vp": self.job.parallel.vp, "sequence_parallel": self.sequence_parallel}}
             meta = {"step": self.step, "dataset": str(self.dataset_prefix), "config": self.config_dict}
         self.checkpointer.save(self.step, entries, objects=objects, common=common, meta=meta)
@@ -289,8 +294,8 @@ class Trainer:
         self._pending = []
         n = len(pend)
         vec = torch.stack([torch.stack([p["loss_sum"].reshape(()), p["step_tokens"].reshape(())]) for p in pend])
-        if ps.dp_group is not None:  # loss sums of this rank's micro-batches, summed over dp
-            vec[:, 0] = all_reduce_sum(vec[:, 0].contiguous(), [ps.dp_group])
+        if ps.dp_cp_group is not None:  # loss sums of this rank's micro-batches (segments), over dp x cp
+            vec[:, 0] = all_reduce_sum(vec[:, 0].contiguous(), [ps.dp_cp_group])
         loads = [p["loads"] for p in pend]
         mv = torch.zeros(n, 2, dtype=torch.float64, device=self.device)
         if loads[0] is not None:
@@ -302,12 +307,15 @@ class Trainer:
             all_reduce_sum(mv, [ps.pp_group])
         gn = torch.stack([torch.as_tensor(p["grad_norm"], dtype=torch.float64, device=self.device).reshape(())
                           for p in pend])
-        host = torch.cat([vec, mv, gn[:, None]], dim=1).tolist()  # the one host sync of the window
+        vis = torch.stack([torch.stack([p["images"].reshape(()), p["vision_tokens"].reshape(())]) for p in pend])
+        host = torch.cat([vec, mv, gn[:, None], vis], dim=1).tolist()  # the one host sync of the window
         out = []
-        for p, (loss_sum, tokens, mv_sum, mv_n, g) in zip(pend, host):
+        for p, (loss_sum, tokens, mv_sum, mv_n, g, images, vtok) in zip(pend, host):
             out.append({"step": p["step"], "loss": loss_sum / max(tokens, 1.0), "lr": p["lr"], "grad_norm": g,
                         "expert_load_max_violation": mv_sum / mv_n if mv_n else 0.0,
                         "skipped_nonfinite": int(p["skipped"])})
+            if self.has_images:
+                out[-1].update(images=int(images), vision_tokens=int(vtok))
         return out
 
     def train_step(self) -> dict:
@@ -364,11 +372,12 @@ class Trainer:
                     ls, nt = self.engine.forward_only([b])
                     acc += torch.tensor([ls, nt], dtype=torch.float64, device=self.device)
                     continue
-                out = self.model(b["input_ids"], labels=b["labels"], cu_seqlens=b.get("cu_seqlens"))
+                out = self.model(b["input_ids"], labels=b["labels"], cu_seqlens=b.get("cu_seqlens"),
+                                 images=b.get("images"))
             acc[0] += out.loss_sum.detach().double()
             acc[1] += out.num_tokens
         self.model.train()
-        total, n = all_reduce_sum(acc, [self.ps.dp_group]).tolist()
+        total, n = all_reduce_sum(acc, [self.ps.dp_cp_group]).tolist()  # local segments' sums and counts
         return total / max(n, 1.0)
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -410,6 +419,8 @@ class Trainer:
             self.history.append({"step": step, "loss": m["loss"]})
             if i == len(records) - 1:  # window figures go with the window's last step
                 m.update(clock.step(window_tokens, window_steps))
+                if self.has_images:  # images/s over the window, from the same clock as tokens/s
+                    m["images_per_s"] = m["tokens_per_s"] * sum(r["images"] for r in records) / max(window_tokens, 1)
                 m.update(summary.throughput_metrics(m["tokens_per_s"], self.flops_per_token, self.ps.world_size,
                                                     self.peak))
                 m["peak_memory_mb"] = peak_memory_mb()

@@ -107,12 +107,15 @@ class LoadRecorder:
         if not self.layers:
             return out
         per = {i: self._layer_host(st) for i, st in sorted(self.layers.items())}
+        # rank_imbalance_*: max / mean rows per EP rank - 1 (the per-layer records call it maxvio_*);
+        # not the train log's "maxvio" (expert_load_max_violation: max / mean tokens per expert - 1)
         for i, d in per.items():
-            for k in ("maxvio_before", "maxvio_after", "replicas"):
-                out[f"moe/L{i}/{k}"] = d[k]
+            out[f"moe/L{i}/rank_imbalance_before"] = d["maxvio_before"]
+            out[f"moe/L{i}/rank_imbalance_after"] = d["maxvio_after"]
+            out[f"moe/L{i}/replicas"] = d["replicas"]
         nl = len(per)
-        out["moe/maxvio_before"] = sum(d["maxvio_before"] for d in per.values()) / nl
-        out["moe/maxvio_after"] = sum(d["maxvio_after"] for d in per.values()) / nl
+        out["moe/rank_imbalance_before"] = sum(d["maxvio_before"] for d in per.values()) / nl
+        out["moe/rank_imbalance_after"] = sum(d["maxvio_after"] for d in per.values()) / nl
         out["moe/replicas"] = sum(d["replicas"] for d in per.values())
         out["moe/dispatch_mb"] = sum(d["token_bytes"] for d in per.values()) / 2**20
         out["moe/replica_weight_mb"] = sum(d["weight_bytes"] for d in per.values()) / 2**20

@@ -19,8 +19,8 @@ def test_recorder_hand_computed(tmp_path):
     assert st.tokens_E.tolist() == [12, 2, 2, 0]
     assert st.before_R.tolist() == [14, 2] and st.after_R.tolist() == [8, 8]
     s = rec.summary()
-    assert s["moe/L3/maxvio_before"] == pytest.approx(7 / 4 - 1)
-    assert s["moe/L3/maxvio_after"] == 0.0 and s["moe/L5/maxvio_after"] == pytest.approx(0.75)
+    assert s["moe/L3/rank_imbalance_before"] == pytest.approx(7 / 4 - 1)
+    assert s["moe/L3/rank_imbalance_after"] == 0.0 and s["moe/L5/rank_imbalance_after"] == pytest.approx(0.75)
     assert s["moe/L3/replicas"] == 1.0 and s["moe/replicas"] == 1.0
     # off-rank rows: plan: s0->r1 1, s1->r0 1 = 2 per call (x2 calls); no plan: s0 none, s1->e0,e1 = 3
     assert rec._layer_host(rec.layers[3])["token_bytes"] == 2 * 2 * 10

@@ -13,7 +13,7 @@ Reads ``RUN_DIR/expert_load.jsonl`` (one line per logging window, written by
 
 and prints a table of the last window. Two different imbalance figures appear there, named apart:
   rank_imbal_before/after   max / mean rows per EP rank - 1 (what MoonEP evens out; the metrics
-                            moe/maxvio_before and moe/maxvio_after)
+                            moe/rank_imbalance_before and moe/rank_imbalance_after)
   expert_maxvio             max / mean tokens per expert - 1 over the window (what Quantile Balancing
                             evens out; the train log's "maxvio", metric expert_load_max_violation, is
                             the same per step, averaged over layers)
@@ -166,7 +166,7 @@ def main(argv=None) -> list[Path]:
         print(f"{i:>5} {d['calls']:>5} {d['maxvio_before']:>17.3f} {d['maxvio_after']:>16.3f} {expert_vio:>13.3f} "
               f"{d['replicas']:>8.1f} {d['token_bytes'] / 2**20:>9.2f} {d['weight_bytes'] / 2**20:>9.2f} "
               f"{int(tok.argmax()):>10} {tok.max() / max(tok.sum(), 1):>9.3f}")
-    print("rank_imbal: max/mean rows per EP rank - 1 (metrics moe/maxvio_*); expert_maxvio: max/mean tokens per "
+    print("rank_imbal: max/mean rows per EP rank - 1 (metrics moe/rank_imbalance_*); expert_maxvio: max/mean tokens per "
           "expert - 1 over the window (the train log's 'maxvio' is its per-step mean over layers)")
     for f in files:
         print(f"wrote {f}")

@@ -226,4 +226,5 @@ def format_stats(stats: dict) -> str:
     """One summary line for logs and the CLI."""
     return (f"{stats['prefix']}: {stats['docs']} docs, {stats['tokens']} tokens from {stats['files']} files "
             f"({stats['skipped_files']} binary skipped), {stats['seconds']:.1f} s, "
-            f"{stats['tokens_per_s']:,.0f} tokens/s, vocab {stats['vocab_size']} ({stats['dtype']})")
+            f"{stats['tokens_per_s']:,.0f} tokens/s, vocab {stats['vocab_size']} ({stats['dtype']}); "
+            f"train with data.path={stats['prefix']} data.tokenizer={stats['tokenizer']}")

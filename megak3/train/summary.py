@@ -3,8 +3,10 @@
 FLOPs per token come from the planner's count (``megak3.launch.planner.flops_per_token``: 2 x the
 active parameters per token for the matmuls, plus MLA scores and the KDA recurrence; training =
 3 x forward). The peak a rank is measured against comes from conf/hardware/: the GPU's dense
-BF16 / FP32 figure for its model name (h100, h200, b200), or on CPU the per-core FP32 figure of
-conf/hardware/cpu.yaml times the rank's torch threads. MFU = achieved FLOP/s per rank / that peak.
+BF16 / FP32 figure for its model name (h100, h200, b200); on CPU it is measured at start-up: the
+best of a few fp32 1024 x 1024 matmuls on the rank's torch threads (~0.1 s), so MFU on a CPU is
+"of what this machine's matmul reaches now" (a machine shared with other jobs shows it).
+MFU = achieved FLOP/s per rank / that peak.
 """
 from __future__ import annotations
 
@@ -35,10 +37,24 @@ def peak_flops_per_rank(device: torch.device, precision: str) -> Optional[tuple]
             return None
         return getattr(load_hardware(match), key), f"{match} {precision}"
     if device.type == "cpu":
-        hw = load_hardware("cpu")
         threads = torch.get_num_threads()
-        return hw.fp32_flops * threads, f"cpu fp32 {hw.fp32_flops / 1e9:.0f} GFLOP/s x {threads} thread(s)"
+        return measured_cpu_matmul_flops(), f"cpu fp32 matmul measured at start-up, {threads} thread(s)"
     return None
+
+
+def measured_cpu_matmul_flops(n: int = 1024, reps: int = 6) -> float:
+    """FLOP/s of the fastest of ``reps`` fp32 ``[n, n] @ [n, n]`` matmuls on the current threads."""
+    import time
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+    torch.mm(a, b)  # warm-up: first-call dispatch and page faults
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
 
 
 def throughput_metrics(tokens_per_s: float, flops_per_token: float, world: int, peak: Optional[tuple]) -> dict:

@@ -745,7 +745,7 @@ def build_sharded_optimizer(model: nn.Module, optim_cfg: OptimConfig, plan) -> S
     each gradient reduces over ``plan.grad_group`` (dp, or expert-dp for expert shards; None when
     that group has one rank), TP shards are declared, and the norm partitions are added."""
     ps = plan.ps
-    opt = ShardedOptimizer(model, optim_cfg, ps.dp_group, group_for=plan.make_grad_group_fn())
+    opt = ShardedOptimizer(model, optim_cfg, ps.dp_cp_group, group_for=plan.make_grad_group_fn())
     if ps.tp_size > 1:
         opt.set_tensor_parallel(ps.tp_group, plan.tp_shard_dim)
     for group, experts_only in plan.norm_partitions:

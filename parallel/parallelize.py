@@ -255,8 +255,9 @@ def parallelize(model: nn.Module, ps, parallel_cfg=None, moonep_cfg=None, model_
 
     Transforms, in order (each records what it did in the plan): ``tp`` (heads, FFN widths and
     vocabulary sharded, TP regions, under SP the token axis), ``ep`` (E/ep home experts per rank and
-    the dispatcher), ``pp`` (this rank's model chunks kept, other layers dropped with their names).
-    A context-parallel transform slots in beside them. Global shapes are recorded before the first
+    the dispatcher), ``pp`` (this rank's model chunks kept, other layers dropped with their names),
+    ``cp`` (the model's ``context_parallel`` hook: each row cut into cp contiguous segments,
+    parallel/context_parallel.py; no parameter changes, dense gradients reduce over dp x cp). Global shapes are recorded before the first
     transform, so the plan knows every tensor's box in the single-process tensor. On the meta
     device nothing is allocated; :func:`parallel.materialize.materialize` then creates only the
     local shards.
@@ -293,6 +294,11 @@ def parallelize(model: nn.Module, ps, parallel_cfg=None, moonep_cfg=None, model_
         plan.transforms.append("pp")
     else:
         plan.stage_chunks = [range(cfg.num_layers)]
+    # cp: the sequence split over the CP ranks (parameters untouched)
+    from .context_parallel import parallelize_cp
+
+    if parallelize_cp(model, ps) is not None:
+        plan.transforms.append("cp")
 
     ep_dims = plan.ep.shard_dim
     for n, t in list(model.named_parameters()) + list(model.named_buffers()):

@@ -84,7 +84,7 @@ def full_tensor(t: torch.Tensor, dim: Optional[int], group) -> torch.Tensor:
 
 
 def parity_job(tp: int, dp: int, sp: bool, overrides: Dict, batch: int, seqlen: int, seed: int, lr: float,
-               steps: int):
+               steps: int, cp: int = 1, pp: int = 1, ep: int = 1):
     """The JobConfig of a parity run: fp32, constant LR, clip 1.0, fp32 Newton-Schulz."""
     from megak3.data.config import DataConfig
     from megak3.optim import OptimConfig
@@ -98,13 +98,17 @@ def parity_job(tp: int, dp: int, sp: bool, overrides: Dict, batch: int, seqlen: 
         optim=OptimConfig(lr=lr, warmup_steps=0, grad_clip=1.0, schedule="constant", ns_dtype="float32"),
         train=TrainConfig(max_steps=steps, global_batch_size=batch, micro_batch_size=batch // dp, seed=seed,
                           device="cpu", precision="fp32"),
-        parallel=ParallelConfig(tp=tp, dp=dp, sequence_parallel=sp, backend="gloo"))
+        parallel=ParallelConfig(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, sequence_parallel=sp, backend="gloo"))
 
 
 def run_steps(rank: int, world: int, tp: int, dp: int, sp: bool, steps: int, overrides: Dict,
               batch: int = 4, seqlen: int = 32, seed: int = 5, lr: float = 1e-3,
-              break_collective: bool = False) -> Optional[dict]:
+              break_collective: bool = False, cp: int = 1, pp: int = 1, ep: int = 1) -> Optional[dict]:
     """Train ``steps`` production steps; returns {'losses', 'grads' (step 0, full), 'grad_norms'} on rank 0.
+
+    Every rank of a context-parallel group receives its data-parallel rows whole (the model cuts
+    its segment); gradients are summed over dp x cp. Under pp or ep, 'grads' is None (parameters
+    live on different ranks) and the losses and global gradient norms carry the comparison.
 
     Why lr = 1e-3: layouts differ from one process by fp32 rounding (~1e-7 relative in the
     gradients). Early AdamW steps are ~lr*sign(g), so that noise grows with lr, and once it moves a
@@ -115,7 +119,7 @@ def run_steps(rank: int, world: int, tp: int, dp: int, sp: bool, steps: int, ove
 
     from .state import ParallelState, init_parallel
 
-    job = parity_job(tp, dp, sp, overrides, batch, seqlen, seed, lr, steps)
+    job = parity_job(tp, dp, sp, overrides, batch, seqlen, seed, lr, steps, cp, pp, ep)
     ps = init_parallel(job.parallel, model_cfg=job.model) if world > 1 else ParallelState.single()
     rs = RankStep(job, ps, "cpu", grad_accum=1)
     if break_collective:  # used by a test to prove the parity check can fail
@@ -128,15 +132,17 @@ def run_steps(rank: int, world: int, tp: int, dp: int, sp: bool, steps: int, ove
         ids, labels, _ = global_batch(step, batch, seqlen, job.model.vocab_size)
         ids, labels, cu = local_rows(ids, labels, ps.dp_rank, dp)
         rec = rs.accumulate([{"input_ids": ids, "labels": labels, "cu_seqlens": cu}])
-        if step == 0:
+        if step == 0 and pp == 1 and ep == 1:
             grads0 = {}
             for n, p in rs.model.named_parameters():
                 if p.grad is None:
                     continue
-                g = all_reduce_sum(p.grad.detach().clone(), [ps.dp_group])
+                g = all_reduce_sum(p.grad.detach().clone(), [ps.dp_cp_group])
                 grads0[canonical_name(n)] = full_tensor(g, dims.get(canonical_name(n)), ps.tp_group)
         out = rs.apply(step, steps)
-        loss_sum = all_reduce_sum(rec["loss_sum"].clone(), [ps.dp_group])
+        # every TP rank holds the whole loss of its tokens; under pp only the last stage has it
+        world_group = dist.group.WORLD if world > 1 else None
+        loss_sum = all_reduce_sum(rec["loss_sum"].clone(), [world_group]) / ps.tp_size
         losses.append(float(loss_sum) / float(rec["step_tokens"]))
         norms.append(float(out["grad_norm"]))
     if world > 1 and dist.get_rank() != 0:

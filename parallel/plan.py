@@ -47,7 +47,8 @@ class ParallelPlan:
     """What :func:`parallelize` did to this rank's model, and how its training state is reduced.
 
     Gradient reduction: expert-sharded parameters reduce over expert-data-parallel ranks
-    (``ps.edp_group``), everything else over ``ps.dp_group``. Replicated parameters listed in
+    (``ps.edp_group``, which spans the CP ranks too), everything else over ``ps.dp_cp_group`` (the
+    dense replicas: dp x cp; the dp group itself when cp = 1). Replicated parameters listed in
     ``partial_grad`` first sum their gradients over TP. The gradient norm sums squared norms over
     each ``norm_partitions`` group (ranks holding different parameters), in order.
     """
@@ -97,7 +98,7 @@ class ParallelPlan:
 
     def grad_group(self, name: str):
         """The group that reduces (sums) the gradient of ``name`` across data-parallel replicas."""
-        return self.ps.edp_group if self.is_expert(name) else self.ps.dp_group
+        return self.ps.edp_group if self.is_expert(name) else self.ps.dp_cp_group
 
     @property
     def norm_partitions(self) -> List[Tuple[object, bool]]:
@@ -111,14 +112,16 @@ class ParallelPlan:
 
     @property
     def token_groups(self) -> list:
-        """Groups whose ranks route different tokens (QB statistics and loads are summed over them)."""
+        """Groups whose ranks route different tokens (QB statistics and loads are summed over them):
+        TP under SP, and the data- and context-parallel ranks (one dp x cp group)."""
         ps = self.ps
-        return [g for g in (ps.tp_group if self.sequence_parallel else None, ps.dp_group) if g is not None]
+        return [g for g in (ps.tp_group if self.sequence_parallel else None, ps.dp_cp_group) if g is not None]
 
     def is_saver(self, name: str) -> bool:
         """Whether this rank writes ``name``'s shard to a checkpoint: one rank per distinct box, the
-        data-parallel rank 0 of dense tensors and the expert-data-parallel rank 0 of expert shards."""
-        return (self.ps.edp_rank if self.is_expert(name) else self.ps.dp_rank) == 0
+        data(x context)-parallel rank 0 of dense tensors and the expert-data-parallel rank 0 of expert
+        shards."""
+        return (self.ps.edp_rank if self.is_expert(name) else self.ps.dp_cp_rank) == 0
 
     def local_bytes(self, model: nn.Module) -> int:
         """Bytes of the tensors this rank's model holds (parameters and buffers)."""

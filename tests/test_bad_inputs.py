@@ -100,7 +100,9 @@ CONFIG = [  # (overrides, expected fragment of the message[, world size of the t
     ("launcher.nproc_per_node=-1", "launcher.nproc_per_node=-1 must be an integer >= 0"),
     ("launcher.nnodes=2", "launcher.nnodes=2: multi-node jobs start through SLURM"),
     # parallel
-    ("parallel.cp=2", "parallel.cp=2: context parallelism is not built yet; set parallel.cp=1"),
+    ("parallel.cp=2", "parallel.tp*cp*pp = 1*2*1 = 2 does not divide world_size=1"),
+    ("parallel.cp=2 data.seq_len=255", "data.seq_len=255 must be a multiple of parallel.cp=2", 2),
+    ("parallel.cp=2 parallel=tp2_sp data.seq_len=258", "must be a multiple of parallel.cp x parallel.tp = 2 x 2", 4),
     ("parallel.etp=2", "parallel.etp=2: expert tensor parallelism is not built yet; set parallel.etp=1"),
     ("parallel.tp=0", "parallel.tp=0 must be an integer >= 1"),
     ("parallel.pp_schedule=gpipe", "parallel.pp_schedule='gpipe': choose one of"),

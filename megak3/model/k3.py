@@ -102,13 +102,28 @@ class K3Model(nn.Module):
         # embedding; ``loss_fn``: (logits, labels) -> (loss_sum, count), e.g. vocab-parallel CE.
         self.sequence_shard = None
         self.loss_fn = token_loss_sum
+        # ``context_parallel``: cuts whole rows into this rank's sequence segment (shard_inputs)
+        self.context_parallel = None
 
     def moe_layers(self) -> List[LatentMoE]:
         return [l.mlp for l in self.layers if l.is_moe]
 
     # ---- pieces (also used by pipeline stages) ----------------------------------------------
+    def shard_inputs(self, input_ids_BT: torch.Tensor, labels_BT: Optional[torch.Tensor],
+                     cu_seqlens: Optional[torch.Tensor]):
+        """(input ids, labels, SeqInfo) this rank runs: the whole rows, or under context parallelism
+        its segment of every row (``cu_seqlens`` always describes the whole rows)."""
+        if self.context_parallel is not None:
+            return self.context_parallel.shard(input_ids_BT, labels_BT, cu_seqlens)
+        B, T = input_ids_BT.shape
+        return input_ids_BT, labels_BT, make_seq_info(B, T, cu_seqlens, input_ids_BT.device)
+
     def embed(self, input_ids_BT: torch.Tensor, images: Optional[Sequence[torch.Tensor]] = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids_BT)
+        if images and self.context_parallel is not None:
+            raise ValueError("images under context parallelism (parallel.cp > 1) are not supported: their "
+                             "tokens are spliced into the whole sequence, which no CP rank holds; train "
+                             "image-text data with parallel.cp=1")
         if images:
             if self.vision is None:
                 raise ValueError("images were given but model.vision.enabled=false; enable the vision tower")
@@ -141,7 +156,7 @@ class K3Model(nn.Module):
         B, T = input_ids.shape
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.config.max_seq_len}")
-        seq = make_seq_info(B, T, cu_seqlens, input_ids.device)
+        input_ids, labels, seq = self.shard_inputs(input_ids, labels, cu_seqlens)
         x = self.embed(input_ids, images)
         if self.sequence_shard is not None:
             x = self.sequence_shard(x)

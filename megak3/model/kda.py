@@ -92,12 +92,17 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x_BTD: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         H, K = self.num_heads, self.head_dim
-        q = _l2norm(self.q_conv1d(self.q_proj(x_BTD), seq).view(B, T, H, K))
-        k = _l2norm(self.k_conv1d(self.k_proj(x_BTD), seq).view(B, T, H, K))
-        v = self.v_conv1d(self.v_proj(x_BTD), seq).view(B, T, H, K)
+        # under context parallelism (seq.cp, set from outside by parallel/context_parallel.py) the
+        # convs take the previous rank's last tokens and the recurrence its incoming state
+        conv = (lambda c, x: c(x, seq)) if seq.cp is None else seq.cp.causal_conv
+        q = _l2norm(conv(self.q_conv1d, self.q_proj(x_BTD)).view(B, T, H, K))
+        k = _l2norm(conv(self.k_conv1d, self.k_proj(x_BTD)).view(B, T, H, K))
+        v = conv(self.v_conv1d, self.v_proj(x_BTD)).view(B, T, H, K)
         g = kda_gate(self.f_b_proj(self.f_a_proj(x_BTD)), self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(self.b_proj(x_BTD).float())
-        if seq.packed:  # documents are delimited on the flattened stream; state resets per document
+        if seq.cp is not None:
+            o = seq.cp.kda(q, k, v, g, beta, chunk_size=self.chunk_size, use_fla=self.use_fla)
+        elif seq.packed:  # documents are delimited on the flattened stream; state resets per document
             flat = lambda t: t.reshape(1, B * T, *t.shape[2:])
             o, _ = kda(flat(q), flat(k), flat(v), flat(g), flat(beta), cu_seqlens=seq.cu_seqlens,
                        chunk_size=self.chunk_size, use_fla=self.use_fla)

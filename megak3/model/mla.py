@@ -51,14 +51,20 @@ class GatedMLA(nn.Module):
         B, T, _ = x_BTD.shape
         H = self.num_heads
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))).view(B, T, H, self.q_head_dim)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_rank, self.rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, T, H, self.nope + self.v_dim)
+        latent = self.kv_a_proj_with_mqa(x_BTD)
+        q_offset, doc = 0, document_ids(seq, x_BTD.device)
+        if seq.cp is not None:  # context parallelism: keys are the gathered latents of [0, end of segment)
+            latent = seq.cp.gather_keys(latent)
+            q_offset, doc = seq.cp.offset, seq.cp.key_doc_ids_BT
+        Tk = latent.shape[1]
+        c_kv, k_pe = latent.split([self.kv_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, Tk, H, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         # NoPE: the shared k_pe slot is broadcast over heads un-rotated (MQA-style).
-        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(B, T, H, self.rope)], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(B, Tk, H, self.rope)], dim=-1)
         q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))  # [B, H, T, *], fp32 softmax
-        o = attention(q, k, v, self.softmax_scale, document_ids(seq, x_BTD.device),
-                      q_chunk=self.q_chunk, k_chunk=self.k_chunk)
+        o = attention(q, k, v, self.softmax_scale, doc, q_chunk=self.q_chunk, k_chunk=self.k_chunk,
+                      q_offset=q_offset)
         o = o.transpose(1, 2).reshape(B, T, H * self.v_dim)
         o = o * torch.sigmoid(self.g_proj(x_BTD).float())
         return self.o_proj(o.to(x_BTD.dtype))

@@ -22,6 +22,10 @@ class SeqInfo:
     """int64 [B, T] document index per token, or None"""
     pos_in_doc_BT: Optional[torch.Tensor]
     """int64 [B, T] position of each token inside its document, or None"""
+    cp: Optional[object] = None
+    """under context parallelism: this rank's segment (parallel.context_parallel.CPShard; the layers
+    call its causal_conv / kda / gather_keys), None otherwise. The fields above then describe the
+    local segment (T = global length / cp)."""
 
     @property
     def packed(self) -> bool:

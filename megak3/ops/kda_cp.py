@@ -67,7 +67,7 @@ import torch.distributed as dist
 from ..model.seqinfo import SeqInfo, make_seq_info
 from .kda import kda
 
-__all__ = ["kda_cp", "segment_affine_map", "exchange_conv_halo", "conv_halo_seq_info", "cp_local_docs",
+__all__ = ["kda_cp", "all_gather_autograd", "segment_affine_map", "exchange_conv_halo", "conv_halo_seq_info", "cp_local_docs",
            "CPDocs", "comm_log", "record_comm", "CommLog"]
 
 
@@ -140,6 +140,15 @@ class _AllGather(torch.autograd.Function):
         record_comm("reduce_scatter", _nbytes(grad), (cp - 1) * _nbytes(out))
         dist.reduce_scatter_single(out, grad, op=dist.ReduceOp.SUM, group=ctx.group)
         return out[0], None
+
+
+def all_gather_autograd(x: torch.Tensor, group) -> torch.Tensor:
+    """``[*S] -> [cp, *S]`` (slot j = rank j's x) over ``group``; backward reduce-scatters the gradient
+    (each rank gets the sum over ranks of its slot's gradient). Recorded in ``comm_log``. None or a
+    group of size 1: ``x[None]``."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x.unsqueeze(0)
+    return _AllGather.apply(x, group)
 
 
 class _Tie(torch.autograd.Function):

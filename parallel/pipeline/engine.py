@@ -37,7 +37,6 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from megak3.model.seqinfo import SeqInfo, make_seq_info
 from megak3.ops.weight_grad import WeightGradStore
 
 from .schedules import SCHEDULES, Action, build_schedule, check_schedule, splits_weight_grad
@@ -130,7 +129,7 @@ class PipelineEngine:
         c * p + r of parallel.pipeline.partition_layers(cfg, p * vp)).
     group: the pipeline process group (None with one stage); rank r = rank in it.
     schedule: one of schedules.SCHEDULES.
-    seq_shard: the factor by which the token axis is sharded between stages (tp under SP).
+    seq_shard: the factor by which the token axis is sharded between stages (tp under SP, times cp).
     timeout_s: how long a receive may wait before the step fails with a clear error.
     """
 
@@ -272,10 +271,9 @@ class PipelineEngine:
     def _forward(self, c: int, i: int, inputs):
         model, mb, v = self.model, self._mbs[i], self._v(c)
         t0 = time.perf_counter()
-        ids = mb["input_ids"]
-        if i not in self._seq:  # per-document structure, shared by this rank's chunks
-            self._seq[i] = make_seq_info(*ids.shape, mb.get("cu_seqlens"), ids.device)
-        seq = self._seq[i]
+        if i not in self._seq:  # per-document structure (under CP: this rank's segment), shared by its chunks
+            self._seq[i] = model.shard_inputs(mb["input_ids"], mb["labels"], mb.get("cu_seqlens"))
+        ids, labels, seq = self._seq[i]
         if v == 0:
             x = model.embed(ids, mb.get("images"))
             if model.sequence_shard is not None:
@@ -285,7 +283,7 @@ class PipelineEngine:
             partial, blocks = inputs[0], tuple(inputs[1:])
         partial, blocks, stats = model.run_layers(self.modules[c], partial, blocks, seq)
         if v == self.V - 1:
-            loss_sum, _ = model.loss_fn(model.head(partial, blocks), mb["labels"])
+            loss_sum, _ = model.loss_fn(model.head(partial, blocks), labels)
             out = (loss_sum,)
         else:
             out = (partial, *blocks)
@@ -309,7 +307,7 @@ class PipelineEngine:
         param = next(self.model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self._mbs = micro_batches
-        self._seq: Dict[int, SeqInfo] = {}
+        self._seq: Dict[int, tuple] = {}
         self.trace = []
         self.p2p_bytes_per_mb = {"F": 0, "B": 0}
         self._plan_messages(schedule)
@@ -333,7 +331,7 @@ class PipelineEngine:
                 stats_all[i].extend(st)
                 if v == self.V - 1:
                     loss_sum[0] += out[0].detach().double()
-                    loss_sum[1] += int((self._mbs[i]["labels"] != -100).sum())
+                    loss_sum[1] += int((self._seq[i][1] != -100).sum())  # this rank's labels
                 else:
                     self._send(("F", v + 1, i), out)
                 if train:

@@ -36,7 +36,7 @@ RUNTIME = [
     "tokenizers>=0.15",
     "tqdm>=4.60",
     "wandb>=0.16",
-    "safetensors>=0.4",          # MXFP4 expert export (tools/export_mxfp4.py)
+    "safetensors>=0.4",          # Hugging Face import/export (megak3/interop, tools/convert_hf.py)
     "nvidia-ml-py>=12",          # GPU telemetry; skipped with one notice when NVML is absent
 ]
 EXTRAS = {

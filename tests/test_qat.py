@@ -1,7 +1,6 @@
-"""K3-style QAT (megak3/quant/qat.py), the FP8 dense-linear paths (megak3/quant/te.py) and the MXFP4
-export (tools/export_mxfp4.py), each against an explicitly fake-quantized independent computation."""
-import importlib.util
-from pathlib import Path
+"""K3-style QAT (megak3/quant/qat.py) and the FP8 dense-linear paths (megak3/quant/te.py), each against an
+explicitly fake-quantized independent computation. The MXFP4 export of a QAT model (tools/convert_hf.py)
+is tested in tests/test_hf_interop.py."""
 
 import pytest
 import torch
@@ -235,50 +234,3 @@ def test_fp8_te_without_te_or_cuda_raises_clearly():
         apply_quantization(small_model(), QuantConfig(fp8="te"))
     with pytest.raises(ValueError, match=TE_MISSING.split(";")[0]):
         fp8_autocast_context(QuantConfig(fp8="te"))
-
-
-# ---- MXFP4 export ----------------------------------------------------------------------------
-
-def _export_tool():
-    path = Path(__file__).resolve().parents[1] / "tools" / "export_mxfp4.py"
-    spec = importlib.util.spec_from_file_location("export_mxfp4", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.mark.parametrize("mode", ["floor", "rceil"])
-def test_export_round_trips_to_the_qat_forward_weights(tmp_path, mode):
-    pytest.importorskip("safetensors")
-    from megak3.train.checkpoint import save_checkpoint
-
-    tool = _export_tool()
-    m = small_model(seed=5)
-    save_checkpoint(tmp_path / "ckpt", 7, {"model": m.state_dict()},
-                    meta={"config": {"quant": {"scale_mode": mode}}})
-    out, n = tool.export_mxfp4(tmp_path / "ckpt", tmp_path / "experts.safetensors")
-    cfg = m.config
-    E, moe_layers = cfg.moe.num_experts, [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
-    assert n == len(moe_layers) * E * 3 * 2
-    from safetensors.torch import load_file
-
-    raw = load_file(str(out))
-    L, mm = cfg.moe.latent_size, cfg.moe.expert_intermediate_size
-    base = f"language_model.model.layers.{moe_layers[0]}.block_sparse_moe.experts.3"
-    assert raw[f"{base}.w1.weight_packed"].shape == (mm, L // 2) and raw[f"{base}.w1.weight_packed"].dtype == torch.uint8
-    assert raw[f"{base}.w2.weight_scale"].shape == (L, mm // 32)
-    loaded = tool.load_mxfp4_experts(out)
-    assert sorted(loaded) == moe_layers
-    apply_quantization(m, QuantConfig(qat="mxfp4_experts", scale_mode=mode))
-    twin = small_model(seed=5)
-    apply_quantization(twin, QuantConfig(qat="mxfp4_experts", scale_mode=mode))
-    for i in moe_layers:
-        ex, tex = m.layers[i].mlp.experts, twin.layers[i].mlp.experts
-        for w, w_exp in zip((ex.w1, ex.w3, ex.w2), loaded[i]):
-            assert torch.equal(ex.weight_quant(w.detach()), w_exp)
-        with torch.no_grad():                     # the twin runs the exported weights as they are
-            tex.w1.copy_(loaded[i][0]); tex.w3.copy_(loaded[i][1]); tex.w2.copy_(loaded[i][2])
-        tex.weight_quant = None
-    x = tokens()
-    with torch.no_grad():
-        assert torch.equal(twin(x).logits, m(x).logits)

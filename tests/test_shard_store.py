@@ -327,3 +327,18 @@ def test_old_format_error_line_and_converter(tmp_path):
             assert tool.main(args) == 2
         text = err.read_text()
         assert text.count("\n") == 1 and msg in text, text
+
+
+def test_objects_by_key_read_only_the_files_that_hold_them(tmp_path):
+    """The index maps object keys to rank files: asking for some keys opens only those files."""
+    per_rank = [{"model/a": ShardEntry(torch.full((2, 3), float(r)), (8, 3), (2 * r, 0))} for r in range(4)]
+    objects = {r: {f"only_{r}": r, "shared": r} for r in range(4)}
+    _save_ranks(tmp_path, 2, per_rank, objects=objects)
+    everything = CheckpointReader(tmp_path / "step_00000002")
+    assert everything.objects() == {"shared": 0, **{f"only_{k}": k for k in range(4)}}
+    one = CheckpointReader(tmp_path / "step_00000002")
+    base = one.meta_bytes_read
+    assert one.objects(["only_2"]) == {"only_2": 2}
+    obj_bytes = (tmp_path / "step_00000002" / "shard_00002.obj.pt").stat().st_size
+    assert one.meta_bytes_read - base == obj_bytes  # rank 2's file only
+    assert one.objects(["shared", "missing"]) == {"shared": 0}

@@ -21,12 +21,14 @@ pruning it shares)::
         shard_00000.json           rank 0's marker, written LAST by that rank (temp file + os.replace):
                                    {"format", "rank", "world_size", "step", "seq",
                                     "bin": {"file", "bytes"} | null,
-                                    "objects": {"file", "bytes", "sha256"} | null,
+                                    "objects": {"file", "keys", "bytes", "sha256"} | null,
                                     "entries": {key: {"global_shape", "offsets", "shape", "dtype",
                                                       "byte_offset", "nbytes", "crc32"}}}
         shard_00001.* ...          the same for every rank
         state.pt                   torch.save of ``common`` (rank 0)
-        index.json                 {"format", "step", "world_size", "objects": [obj files by rank],
+        index.json                 {"format", "step", "world_size",
+                                    "objects": [{"file", "keys"} by rank] (a reader asking for some
+                                    keys opens only the files that hold them),
                                     "keys": {key: {"global_shape", "dtype",
                                                    "chunks": [{"file", "byte_offset", "nbytes",
                                                                "offsets", "shape", "crc32"}]}}}
@@ -76,7 +78,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 import torch
@@ -189,8 +191,10 @@ class ShardEntry:
 class _Snapshot:
     """One rank's save, frozen: host tensors, pickled objects/common, JSON meta."""
 
-    def __init__(self, step, seq, tensors, layout, objects_bytes, common_bytes, meta, snapshot_s):
+    def __init__(self, step, seq, tensors, layout, objects_bytes, common_bytes, meta, snapshot_s,
+                 object_keys=()):
         self.step, self.seq = step, seq
+        self.object_keys = sorted(object_keys)  # the keys of ``objects`` (the index maps them to files)
         self.tensors = tensors          # key -> contiguous CPU tensor (sorted keys)
         self.layout = layout            # key -> (global_shape, offsets, shape, dtype name)
         self.objects_bytes = objects_bytes
@@ -277,7 +281,7 @@ class ShardedCheckpointer:
             common_bytes = buf.getvalue()
         tensors = self._host_copies(entries, copy=self.async_save)
         snap = _Snapshot(step, self._seq, tensors, layout, objects_bytes, common_bytes, meta_d,
-                         time.perf_counter() - t0)
+                         time.perf_counter() - t0, object_keys=map(str, objects or {}))
         if not self.async_save:
             self._run(snap)
             return
@@ -389,7 +393,8 @@ class ShardedCheckpointer:
             bin_entry = {"file": _bin_name(r), "bytes": pos}
             written += pos
         if snap.objects_bytes is not None:
-            obj_entry = {"file": _obj_name(r), **_write_bytes_durably(staging / _obj_name(r), snap.objects_bytes)}
+            obj_entry = {"file": _obj_name(r), "keys": snap.object_keys,
+                         **_write_bytes_durably(staging / _obj_name(r), snap.objects_bytes)}
             written += obj_entry["bytes"]
         marker = {"format": SHARDS_FORMAT, "rank": r, "world_size": self.world_size, "step": snap.step,
                   "seq": snap.seq, "bin": bin_entry, "objects": obj_entry, "entries": entries}
@@ -412,7 +417,7 @@ class ShardedCheckpointer:
             if m["objects"] is not None:
                 o = m["objects"]
                 files[o["file"]] = {"bytes": o["bytes"], "sha256": o["sha256"]}
-                obj_files.append(o["file"])
+                obj_files.append({"file": o["file"], "keys": o["keys"]})
             if m["bin"] is not None:
                 b = m["bin"]
                 size = (staging / b["file"]).stat().st_size
@@ -518,7 +523,9 @@ class CheckpointReader:
         index = json.loads(self._read_verified(INDEX_NAME))
         self.common: dict = torch.load(io.BytesIO(self._read_verified(ckpt.STATE_FILE)), map_location="cpu",
                                        weights_only=False)
-        self._object_files = list(index.get("objects", []))
+        # [{"file", "keys"}] by rank; a plain file name (an index written before key lists): keys unknown
+        self._object_files = [o if isinstance(o, dict) else {"file": o, "keys": None}
+                              for o in index.get("objects", [])]
         self._keys: dict = {}
         for key, info in index["keys"].items():
             chunks = []
@@ -557,15 +564,33 @@ class CheckpointReader:
     def dtype(self, key) -> torch.dtype:
         return self._info(key).dtype
 
-    def objects(self) -> dict:
-        """The union of every rank's ``objects`` dicts, ranks in ascending order; a key already taken by
-        a lower rank is kept (unpickled: trusted checkpoints only)."""
+    def objects(self, keys: Optional[Iterable[str]] = None) -> dict:
+        """The union of the saved ``objects`` dicts, ranks in ascending order; a key already taken by
+        a lower rank is kept (unpickled: trusted checkpoints only). With ``keys``, only the files
+        that hold one of them are read (the index lists each file's keys), and only those keys are
+        returned: a rank resuming reads the objects it needs, not every rank's."""
+        want = None if keys is None else set(keys)
+        files = self._object_files
+        if want is not None:  # per key the lowest rank's file that lists it (unlisted: must be read)
+            first: dict = {}
+            for i, o in enumerate(files):
+                for k in (want if o["keys"] is None else want.intersection(o["keys"])):
+                    first.setdefault(k, i)
+            files = [files[i] for i in sorted(set(first.values()))]
         out: dict = {}
-        for name in self._object_files:
-            for k, v in torch.load(io.BytesIO(self._read_verified(name)), map_location="cpu",
+        for o in files:
+            for k, v in torch.load(io.BytesIO(self._read_verified(o["file"])), map_location="cpu",
                                    weights_only=False).items():
-                out.setdefault(k, v)
+                if want is None or k in want:
+                    out.setdefault(k, v)
         return out
+
+    def object_keys(self) -> Optional[set]:
+        """Every saved object key, from the index alone (no object file is read); None for an index
+        written before key lists."""
+        if any(o["keys"] is None for o in self._object_files):
+            return None
+        return {k for o in self._object_files for k in o["keys"]}
 
     # ------------------------------------------------------------------------------------ read
     def read(self, key, offsets, shape, out: Optional[torch.Tensor] = None) -> torch.Tensor:

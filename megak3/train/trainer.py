@@ -217,22 +217,29 @@ class Trainer:
                 raise ValueError(f"checkpoint tensor {n} has shape {tuple(reader.global_shape(key))}, this model "
                                  f"needs {sh.global_shape}; it was saved from a different model config")
             dst.copy_(reader.read(key, sh.offsets, sh.local_shape))
-        objs = reader.objects()
+        owned = {canonical_name(self.optimizer.specs[i].name) for i in self.optimizer.main}
+        names = [canonical_name(sp.name) for sp in self.optimizer.specs]
+        # Optimizer scalars and hyperparameters are read for the params this rank owns (ZeRO-1) only,
+        # from the object files that hold them; the others need only exist, which the index's key
+        # lists tell (an index without them, or a converted one-rank checkpoint: everything is read).
+        listed = reader.object_keys()
+        wanted = sorted(owned) if listed is not None and "optim_meta" not in listed else names
+        objs = reader.objects(["optim_meta"] + [f"optim_meta/{n}" for n in wanted])
         meta = dict(objs.get("optim_meta", {}))  # one-rank checkpoints (tools/convert_checkpoint.py)
         meta.update({k.split("/", 1)[1]: v for k, v in objs.items() if k.startswith("optim_meta/")})
         state = {"format": CANONICAL_FORMAT, "state": {}, "optimizer": {}, "hyperparameters": {}}
-        owned = {canonical_name(self.optimizer.specs[i].name) for i in self.optimizer.main}
-        for spec in self.optimizer.specs:
-            n = canonical_name(spec.name)
-            if n not in meta:
+        for spec, n in zip(self.optimizer.specs, names):
+            if n not in meta and not (n not in owned and listed is not None and f"optim_meta/{n}" in listed):
                 raise ValueError(f"checkpoint {path} lacks optimizer state for {n!r}; it was saved from a "
                                  "different model")
+            if n not in owned:  # load_consolidated_state reads the state of owned params only
+                state["state"][n], state["optimizer"][n], state["hyperparameters"][n] = {}, spec.optimizer, {}
+                continue
             st = dict(meta[n]["scalars"])
-            if n in owned:
-                sh = plan.tensors[n]
-                for key in (k for k in keys if k.startswith(f"optim/{n}/")):
-                    st[key.rsplit("/", 1)[1]] = reader.read(key, sh.offsets, sh.local_shape)
-            state["state"][n] = st if n in owned else {}
+            sh = plan.tensors[n]
+            for key in (k for k in keys if k.startswith(f"optim/{n}/")):
+                st[key.rsplit("/", 1)[1]] = reader.read(key, sh.offsets, sh.local_shape)
+            state["state"][n] = st
             state["optimizer"][n] = meta[n]["optimizer"]
             state["hyperparameters"][n] = meta[n]["hyperparameters"]
         load_consolidated_state(self.optimizer, state, None)

@@ -115,7 +115,7 @@ class CPShard:
         """The latent of every row's tokens ``[0, offset + T/cp)``: ``[B, offset + T/cp, L]``.
         One all-gather over the CP group forward, one reduce-scatter of its gradient backward."""
         B, T, L = c_BTL.shape
-        parts = all_gather_autograd(c_BTL, self.group)                 # [cp, B, T, L]
+        parts = all_gather_autograd(c_BTL, self.group, "mla_latent_")  # [cp, B, T, L]
         keys = parts[: self.rank + 1].permute(1, 0, 2, 3).reshape(B, (self.rank + 1) * T, L)
         return keys
 

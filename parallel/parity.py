@@ -140,9 +140,7 @@ def run_steps(rank: int, world: int, tp: int, dp: int, sp: bool, steps: int, ove
                 g = all_reduce_sum(p.grad.detach().clone(), [ps.dp_cp_group])
                 grads0[canonical_name(n)] = full_tensor(g, dims.get(canonical_name(n)), ps.tp_group)
         out = rs.apply(step, steps)
-        # every TP rank holds the whole loss of its tokens; under pp only the last stage has it
-        world_group = dist.group.WORLD if world > 1 else None
-        loss_sum = all_reduce_sum(rec["loss_sum"].clone(), [world_group]) / ps.tp_size
+        loss_sum = all_reduce_sum(rec["loss_sum"].clone(), [ps.dp_cp_group])  # CP ranks: their segments
         losses.append(float(loss_sum) / float(rec["step_tokens"]))
         norms.append(float(out["grad_norm"]))
     if world > 1 and dist.get_rank() != 0:

@@ -123,12 +123,12 @@ class _AllGather(torch.autograd.Function):
     """fwd: [*S] -> [cp, *S] (slot j = rank j's tensor); bwd: reduce-scatter (sum over ranks, keep own slot)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, tag=""):
+        ctx.group, ctx.tag = group, tag
         cp = dist.get_world_size(group)
         x1 = x.detach().contiguous().unsqueeze(0)
         out = x1.new_empty((cp,) + tuple(x.shape))
-        record_comm("all_gather", _nbytes(x1), (cp - 1) * _nbytes(x1))
+        record_comm(tag + "all_gather", _nbytes(x1), (cp - 1) * _nbytes(x1))
         dist.all_gather_single(out, x1, group=group)
         return out
 
@@ -137,18 +137,18 @@ class _AllGather(torch.autograd.Function):
         cp = dist.get_world_size(ctx.group)
         grad = grad.contiguous()
         out = grad.new_empty((1,) + tuple(grad.shape[1:]))
-        record_comm("reduce_scatter", _nbytes(grad), (cp - 1) * _nbytes(out))
+        record_comm(ctx.tag + "reduce_scatter", _nbytes(grad), (cp - 1) * _nbytes(out))
         dist.reduce_scatter_single(out, grad, op=dist.ReduceOp.SUM, group=ctx.group)
-        return out[0], None
+        return out[0], None, None
 
 
-def all_gather_autograd(x: torch.Tensor, group) -> torch.Tensor:
+def all_gather_autograd(x: torch.Tensor, group, tag: str = "") -> torch.Tensor:
     """``[*S] -> [cp, *S]`` (slot j = rank j's x) over ``group``; backward reduce-scatters the gradient
-    (each rank gets the sum over ranks of its slot's gradient). Recorded in ``comm_log``. None or a
-    group of size 1: ``x[None]``."""
+    (each rank gets the sum over ranks of its slot's gradient). Recorded in ``comm_log`` as
+    ``tag + "all_gather"`` / ``tag + "reduce_scatter"``. None or a group of size 1: ``x[None]``."""
     if group is None or dist.get_world_size(group) == 1:
         return x.unsqueeze(0)
-    return _AllGather.apply(x, group)
+    return _AllGather.apply(x, group, tag)
 
 
 class _Tie(torch.autograd.Function):

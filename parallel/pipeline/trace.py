@@ -61,6 +61,11 @@ class SyntheticStack(nn.Module):
         self.has_mla, self.sequence_shard = False, None
         self.vision = self.output_attn_res = self.norm = self.lm_head = None
 
+    def shard_inputs(self, ids, labels, cu_seqlens):  # K3Model's interface (no context parallelism here)
+        from megak3.model.seqinfo import make_seq_info
+
+        return ids, labels, make_seq_info(*ids.shape, cu_seqlens, ids.device)
+
     def embed(self, ids, images=None):
         return self.embed_tokens(ids)
 

@@ -1,0 +1,184 @@
+"""Context parallelism (parallel/context_parallel.py) against one process, fp32, same seed.
+
+Layers: a KDA and a Gated-MLA layer on rows whose documents cross the CP boundaries (one document
+starting exactly on a boundary, one 1-token document), outputs and every gradient (parameters and
+the input) within 1e-5 relative of the whole-sequence layer, at cp = 2 and 4, packed and unpacked.
+Training: the production RankStep (parallel/parity.py run_steps) at cp2 / cp4 alone (step-0
+gradients of every parameter, losses, global grad norms) and cp2 combined with tp2+SP, dp2, pp2 and
+ep2 (losses within 1e-4, grad norms). Checkpoint: saved at cp2, resumed at cp1 with the loss of the
+uninterrupted run.
+"""
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megak3.config import load_model_config
+from megak3.model.kda import KimiDeltaAttention
+from megak3.model.mla import GatedMLA
+from megak3.model.seqinfo import make_seq_info
+from parallel.context_parallel import ContextParallel
+from parallel.parity import PARITY_MODEL as MODEL, run_steps
+from parallel.testing import run_distributed
+
+B, T = 2, 48
+# row 0: documents [0,13) [13,24) [24,25) [25,48): cp2 boundary (24) starts a document, cp4 (12, 36)
+# cut documents in the middle; row 1: one document spanning every rank
+CU = [0, 13, 24, 25, 48, 96]
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _layer(kind: str):
+    cfg = load_model_config("k3_tiny", **MODEL)
+    torch.manual_seed(7)
+    m = KimiDeltaAttention(cfg) if kind == "kda" else GatedMLA(cfg)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 0.5))
+        if kind == "kda":
+            m.A_log.copy_(torch.rand_like(m.A_log) * 2.0)
+        else:
+            m.q_chunk, m.k_chunk = 7, 5  # chunk grids off the CP segments
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(B, T, cfg.hidden_size, generator=g)
+    dy = torch.randn(B, T, cfg.hidden_size, generator=g)
+    return m, x, dy
+
+
+def _run_layer(m, x, dy, seq):
+    x = x.clone().requires_grad_()
+    y = m(x, seq)
+    y.backward(dy)
+    return y.detach(), x.grad, {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+def _cp_layer(rank, world, kind, packed):
+    m, x, dy = _layer(kind)
+    cu = torch.tensor(CU) if packed else None
+    _, _, seq = ContextParallel(dist.group.WORLD, world, rank).shard(torch.zeros(B, T, dtype=torch.long), None, cu)
+    sl = slice(rank * T // world, (rank + 1) * T // world)
+    y, gx, grads = _run_layer(m, x[:, sl], dy[:, sl].contiguous(), seq)
+    ys, gxs = [torch.empty_like(y) for _ in range(world)], [torch.empty_like(gx) for _ in range(world)]
+    dist.all_gather(ys, y.contiguous())
+    dist.all_gather(gxs, gx.contiguous())
+    for g in grads.values():  # parameter gradients are partial sums over the CP ranks
+        dist.all_reduce(g)
+    return torch.cat(ys, 1), torch.cat(gxs, 1), grads
+
+
+@pytest.mark.parametrize("kind", ["kda", "mla"])
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+def test_layer_matches_whole_sequence(kind, cp, packed):
+    m, x, dy = _layer(kind)
+    seq = make_seq_info(B, T, torch.tensor(CU) if packed else None)
+    y_ref, gx_ref, g_ref = _run_layer(m, x, dy, seq)
+    y, gx, grads = run_distributed(_cp_layer, cp, kind, packed, timeout_s=120)[0]
+    assert rel(y, y_ref) < 1e-5
+    assert rel(gx, gx_ref) < 1e-5
+    assert grads.keys() == g_ref.keys()
+    for n in g_ref:
+        assert rel(grads[n], g_ref[n]) < 1e-5, (n, rel(grads[n], g_ref[n]))
+
+
+def test_cutting_documents_changes_the_answer():
+    """The check can fail: the same local segments WITHOUT the CP context (each rank its own
+    sequence: no incoming state, no halo, no earlier keys) differ from the whole sequence."""
+    for kind in ("kda", "mla"):
+        m, x, dy = _layer(kind)
+        y_ref = _run_layer(m, x, dy, make_seq_info(B, T, torch.tensor(CU)))[0]
+        half = T // 2
+        parts = [m(x[:, s:s + half], make_seq_info(B, half, None)).detach() for s in (0, half)]
+        assert rel(torch.cat(parts, 1), y_ref) > 1e-2
+
+
+# ---- the production step: cp alone and combined -------------------------------------------------
+STEPS = 3
+GRAD_RTOL, PARAM_RTOL, LOSS_TOL, NORM_RTOL = 1e-5, 5e-5, 1e-4, 1e-3
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_steps(0, 1, 1, 1, False, STEPS, MODEL)
+
+
+def _compare(ref, got, grads: bool):
+    for a, b in zip(got["losses"], ref["losses"]):
+        assert abs(a - b) <= LOSS_TOL, (got["losses"], ref["losses"])
+    assert abs(got["losses"][0] - ref["losses"][0]) <= 1e-6 * abs(ref["losses"][0])
+    assert abs(got["grad_norms"][0] - ref["grad_norms"][0]) <= 1e-5 * ref["grad_norms"][0]
+    for a, b in zip(got["grad_norms"], ref["grad_norms"]):
+        assert abs(a - b) <= NORM_RTOL * b, (got["grad_norms"], ref["grad_norms"])
+    if not grads:
+        return
+    assert got["grads"].keys() == ref["grads"].keys()
+    diff2 = ref2 = 0.0
+    for n, g_ref in ref["grads"].items():
+        d = float((got["grads"][n].double() - g_ref.double()).norm())
+        assert d <= PARAM_RTOL * max(float(g_ref.norm()), 1e-30), (n, d / float(g_ref.norm()))
+        diff2, ref2 = diff2 + d * d, ref2 + float(g_ref.double().norm()) ** 2
+    assert (diff2 / ref2) ** 0.5 <= GRAD_RTOL
+
+
+LAYOUTS = {  # name: (world, run_steps kwargs)
+    "cp2": (2, dict(cp=2)),
+    "cp4": (4, dict(cp=4)),
+    "cp2-tp2-sp": (4, dict(cp=2, tp=2, sp=True)),
+    "cp2-dp2": (4, dict(cp=2, dp=2)),
+    "cp2-pp2": (4, dict(cp=2, pp=2)),
+    "cp2-ep2": (2, dict(cp=2, ep=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_training_matches_single_process(reference, name):
+    world, kw = LAYOUTS[name]
+    kw = dict(kw)
+    tp, dp, sp = kw.pop("tp", 1), kw.pop("dp", 1), kw.pop("sp", False)
+    got = run_distributed(run_steps, world, tp, dp, sp, STEPS, MODEL, timeout_s=300, **kw)[0]
+    _compare(reference, got, grads=got["grads"] is not None)
+
+
+# ---- checkpoint written at cp2 resumes at cp1 ----------------------------------------------------
+def _train(rank, world, corpus, run_dir, max_steps, par):
+    from megak3.data.config import DataConfig
+    from megak3.metrics.config import LoggingConfig
+    from megak3.optim.config import OptimConfig
+    from megak3.train.config import JobConfig, TrainConfig
+    from megak3.train.trainer import Trainer
+    from parallel.config import ParallelConfig
+    from parallel.state import ParallelState, init_parallel
+
+    torch.set_num_threads(1)
+    job = JobConfig(
+        model=load_model_config("k3_tiny", **MODEL),
+        data=DataConfig(path=corpus[0], tokenizer=corpus[1], seq_len=32, valid_fraction=0.1),
+        optim=OptimConfig(lr=1e-3, warmup_steps=1, ns_dtype="float32"),
+        train=TrainConfig(max_steps=max_steps, global_batch_size=2, micro_batch_size=1, eval_interval=0,
+                          eval_batches=1, save_interval=2, run_dir=run_dir, seed=3, device="cpu", threads=1,
+                          resume="auto"),
+        logging=LoggingConfig(progress_bar=False, wandb=False, log_interval=1),
+        parallel=ParallelConfig(backend="gloo", timeout_s=120, **par),
+    ).validate(world)
+    ps = init_parallel(job.parallel, model_cfg=job.model) if world > 1 else ParallelState.single()
+    tr = Trainer(job, run_dir, pstate=ps)
+    tr.fit()
+    return {h["step"]: h["loss"] for h in tr.history}
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_cp2_resumes_at_cp1(corpus_dataset, tmp_path):
+    ref = _train(0, 1, corpus_dataset, str(tmp_path / "ref"), 3, {})
+    src = tmp_path / "cp2"
+    saved = run_distributed(_train, 2, corpus_dataset, str(src), 2, {"cp": 2}, timeout_s=300)[0]
+    for s in (1, 2):
+        assert abs(saved[s] - ref[s]) <= 1e-4 * abs(ref[s]), (saved, ref)
+    d = tmp_path / "cp1"
+    shutil.copytree(src / "checkpoints", d / "checkpoints")
+    resumed = _train(0, 1, corpus_dataset, str(d), 3, {})
+    assert list(resumed) == [3]  # resumed at step 2
+    assert abs(resumed[3] - ref[3]) <= 1e-4 * abs(ref[3]), (resumed, ref)

@@ -1,5 +1,7 @@
 // MoonEP planner, C++ twin of moonep/planner.py::_plan_torch (same steps, same tie-breaking,
 // bit-identical output). CPU, int64. See the Python module docstring for the algorithm:
+//   0. tolerance: when every rank's load is <= capacity (rows_per_rank + floor(tolerance * it)),
+//      plan no replicas at all (everything stays home; feasible, receive counts <= capacity)
 //   1. keep home experts (ascending count, ties by id) up to the target T; the rest is excess
 //   2. excess pieces (descending, ties by id) x spare ranks (descending, ties by rank) on two lines;
 //      each non-empty intersection is one replica
@@ -23,7 +25,8 @@ struct Replica {
 };
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> plan(const at::Tensor& counts_in,
-                                                                            int64_t T, int64_t M) {
+                                                                            int64_t T, int64_t M,
+                                                                            int64_t capacity) {
   TORCH_CHECK(counts_in.dim() == 2, "moonep planner: counts_RE must be [R, E]");
   TORCH_CHECK(M >= 0, "moonep planner: moonep.max_replicas_per_rank must be >= 0");
   at::Tensor counts = counts_in.to(at::kCPU, at::kLong).contiguous();
@@ -46,9 +49,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> plan(cons
     total += c_E[e];
   }
 
+  // 0. tolerance: no replicas at all when the most loaded rank stays within capacity
+  const bool within = *std::max_element(load_R.begin(), load_R.end()) <= std::max(capacity, T);
+
   // 1. keep at home
   std::vector<int64_t> x_E(E, 0), idx(E_loc);
-  for (int64_t r = 0; r < R; ++r) {
+  for (int64_t r = 0; r < R && !within; ++r) {
     const int64_t* c = c_E.data() + r * E_loc;
     std::iota(idx.begin(), idx.end(), 0);
     std::stable_sort(idx.begin(), idx.end(), [&](int64_t i, int64_t j) { return c[i] < c[j]; });
@@ -160,7 +166,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> plan(cons
       offs[s * R * J + rj] = run[rj];
       run[rj] += rows[s * R * J + rj];
     }
-  const bool feasible = bound_ok && nonneg && total == R * T && balanced;
+  const bool feasible = bound_ok && nonneg && total == R * T && (balanced || within);
   return {slot_t, rows_t, offs_t, at::scalar_tensor(num_replicas, counts.options()),
           at::scalar_tensor(feasible, counts.options().dtype(at::kBool))};
 }
@@ -169,7 +175,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> plan(cons
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "MoonEP replica planner (C++ twin of moonep/planner.py)";
-  m.def("plan", &plan, "plan(counts_RE int64 [R,E], rows_per_rank, max_replicas_per_rank) -> "
+  m.def("plan", &plan, "plan(counts_RE int64 [R,E], rows_per_rank, max_replicas_per_rank, capacity) -> "
         "(slot_expert_RJ, rows_SRJ, recv_offset_SRJ, num_replicas, feasible)",
-        pybind11::arg("counts_RE"), pybind11::arg("rows_per_rank"), pybind11::arg("max_replicas_per_rank"));
+        pybind11::arg("counts_RE"), pybind11::arg("rows_per_rank"), pybind11::arg("max_replicas_per_rank"),
+        pybind11::arg("capacity"));
 }

@@ -1,6 +1,6 @@
 """MoonEP configuration (``conf/moonep/``): which expert-parallel dispatcher runs and its replica budget.
 
-    cfg = MoonEPConfig(enabled=True, max_replicas_per_rank=0, planner_backend="auto")
+    cfg = MoonEPConfig(enabled=True, max_replicas_per_rank=0, planner_backend="auto", tolerance=0.0)
     cfg.validate(num_experts=896, ep=64)      # raises ValueError naming moonep.<field>
     cfg.replicas_per_rank(896, 64)            # 14 (0 means E/ep)
 
@@ -25,6 +25,10 @@ class MoonEPConfig:
     """replica slots per EP rank (extra expert copies a rank may host for one step); 0 = E/ep"""
     planner_backend: str = "auto"
     """planner backend: 'auto' (the C++ extension when built, else torch), 'torch' or 'cpp'"""
+    tolerance: float = 0.0
+    """plan no replicas for a layer when its max/mean EP-rank load is <= 1 + tolerance (ranks then
+    compute up to S*K*(1 + tolerance) rows); 0 keeps exact balance (every rank exactly S*K rows).
+    0.02 skips the ~1 replica per rank that near-uniform routing (max/mean ~1.01) would cost"""
 
     def validate(self, num_experts: int | None = None, ep: int | None = None) -> "MoonEPConfig":
         """Raise ValueError naming ``moonep.<field>`` and the fix; return self."""
@@ -34,6 +38,9 @@ class MoonEPConfig:
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
             raise ValueError(f"moonep.max_replicas_per_rank={m!r} must be an integer >= 0 "
                              "(0 = num_experts / ep)")
+        t = self.tolerance
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:
+            raise ValueError(f"moonep.tolerance={t!r} must be a number >= 0 (0 = exact balance)")
         if self.planner_backend not in PLANNERS:
             raise ValueError(f"moonep.planner_backend={self.planner_backend!r}: choose one of {', '.join(PLANNERS)}")
         if num_experts is not None and ep is not None:

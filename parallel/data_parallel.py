@@ -359,6 +359,7 @@ class ShardedOptimizer:
                 dist.all_reduce(part, group=g)
                 for i, v in zip(self.members[gid], part.tolist()):
                     has[i] = v > 0
+        self._has_grad = has
         for b in self.buckets:
             g = self.groups[b.group_id]
             world, me = _size(g), _rank(g)
@@ -428,7 +429,10 @@ class ShardedOptimizer:
                     dense_sq, expert_sq = both[:1].clone(), both[1:].clone()
             total = (dense_sq + expert_sq).sqrt().reshape(())
         else:
-            total = torch.linalg.vector_norm(norms[has > 0]) if bool((has > 0).any()) else norms.new_zeros(())
+            # which params have a gradient is host knowledge (reduce_gradients): no mask, no sync
+            idx = [i for i, h in enumerate(self._has_grad) if h]
+            total = (torch.linalg.vector_norm(norms[torch.tensor(idx, device=self.device)]) if idx
+                     else norms.new_zeros(()))
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for m in self.main.values():
             if m.grad is not None:

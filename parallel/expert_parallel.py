@@ -96,7 +96,7 @@ def parallelize_ep(model: nn.Module, ps_or_group, moonep_cfg: Optional[MoonEPCon
 
             disp = MoonEPDispatcher(group, E, moe.top_k, cfg.replicas_per_rank(E, size),
                                     planner_backend=cfg.planner_backend, pool=plan.pool, recorder=recorder,
-                                    layer_idx=layer_idx)
+                                    layer_idx=layer_idx, tolerance=float(cfg.tolerance))
         else:
             disp = BaselineDispatcher(group, E, recorder=recorder, layer_idx=layer_idx)
         moe.expert_dispatch = disp

@@ -200,7 +200,7 @@ def grouped_linear(x_XI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert_E:
         return _loop_grouped_linear(x_XI, w_EOI, tokens_per_expert_E)
     if impl == "tiled":
         return _tiled_grouped_linear(x_XI, w_EOI, tokens_per_expert_E)
-    offs_E = tokens_per_expert_E.cumsum(0).to(device=x_XI.device, dtype=torch.int32)
+    offs_E = tokens_per_expert_E.cumsum(0).to(torch.int32)
     with torch.autocast(x_XI.device.type, enabled=False):  # operands already in the compute dtype
         return _ContiguousGrad.apply(F.grouped_mm(x_XI, w_EOI.transpose(-2, -1), offs=offs_E))
 
@@ -284,14 +284,23 @@ class LatentMoE(nn.Module):
         self.shared_experts = (SiTUGLUMLP(D, moe.num_shared_experts * m, cfg.situ_beta1, cfg.situ_beta2)
                                if moe.num_shared_experts > 0 else None)
         # Expert parallelism hook (moonep/, installed by parallel/expert_parallel.py): when set,
-        # ``u_TL = expert_dispatch(z_TL, route, self.experts)`` replaces permute -> experts -> unpermute.
+        # ``u_TL = expert_dispatch(z_TL, route, self.experts)`` replaces permute -> experts -> unpermute;
+        # a dispatcher with ``overlaps = True`` also takes ``overlap=`` (the shared experts) and
+        # returns ``(u_TL, overlap())``, running it while its own communication is in flight.
         self.expert_dispatch: Callable | None = None
 
     def forward(self, x_TD: torch.Tensor):
         route = self.gate(x_TD)                                   # validates x is [T, D]
         z_TL = self.routed_expert_down_proj(x_TD)
+        shared_TD = None
         if self.expert_dispatch is not None:
-            u_TL = self.expert_dispatch(z_TL, route, self.experts).to(x_TD.dtype)
+            if self.shared_experts is not None and getattr(self.expert_dispatch, "overlaps", False):
+                # the dispatcher runs the shared experts while its replica-weight fetch is in flight
+                u_TL, shared_TD = self.expert_dispatch(z_TL, route, self.experts,
+                                                       overlap=lambda: self.shared_experts(x_TD))
+            else:
+                u_TL = self.expert_dispatch(z_TL, route, self.experts)
+            u_TL = u_TL.to(x_TD.dtype)
             tokens_per_expert_E = count_per_expert(route.indices_TK, self.num_experts)
         else:
             order_X, token_of_row_X, tokens_per_expert_E = permute(route.indices_TK, self.num_experts)
@@ -301,5 +310,5 @@ class LatentMoE(nn.Module):
             u_TL = self.routed_expert_norm(u_TL)
         y_TD = self.routed_expert_up_proj(u_TL)
         if self.shared_experts is not None:
-            y_TD = y_TD + self.shared_experts(x_TD)
+            y_TD = y_TD + (self.shared_experts(x_TD) if shared_TD is None else shared_TD)
         return y_TD, MoEStats(route.scores_TE.detach(), tokens_per_expert_E)

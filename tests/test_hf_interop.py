@@ -1,7 +1,7 @@
 """Hugging Face interop (megak3/interop/, tools/convert_hf.py): MXFP4 pack/unpack bit-exact against
 megak3.quant.mx and torchao, the name adapter both ways, config.json both ways, the inventory
-against a real export and the public K3 totals, the round trip trainer checkpoint (2 ranks, ep2) ->
-HF -> ``train.init_from_hf`` at tp2 and at one process (identical weights, logits, next-step loss),
+against a real export and the public K3 totals, the round trip trainer checkpoint (2 ranks, tp2) ->
+HF -> ``train.init_from_hf`` at ep2 and at one process (identical weights, logits, next-step loss),
 QAT export -> import with the QAT model's logits, and a one-line error for every malformed input."""
 import json
 import shutil
@@ -257,30 +257,33 @@ def _full(boxes_per_rank, name, shape):
 
 
 @pytest.mark.slow
-def test_round_trip_ep2_checkpoint_to_hf_to_tp2_and_one_process(tmp_path):
+def test_round_trip_tp2_checkpoint_to_hf_to_ep2_and_one_process(tmp_path):
     src = tmp_path / "ckpt"
-    run_distributed(_train_and_save, 2, str(src), {"ep": 2}, timeout_s=240)
+    run_distributed(_train_and_save, 2, str(src), {"tp": 2}, timeout_s=240)
     hf = tmp_path / "hf"
     st = convert_hf.export(src, hf, experts="bf16", dtype="fp32", shard_size_mb=0.25, log=lambda s: None)
     assert st["shards"] > 3 and (hf / "config.json").exists()
     step_dir = next(src.glob("step_*"))
     ref = _import_and_step(0, 1, None, {}, ckpt_dir=str(step_dir))
     one = _import_and_step(0, 1, str(hf), {})
-    tp2 = run_distributed(_import_and_step, 2, str(hf), {"tp": 2}, timeout_s=240)
+    ep2 = run_distributed(_import_and_step, 2, str(hf), {"ep": 2}, timeout_s=240)
     # one process: the same weights bit for bit, identical logits and next-step losses
     for n, (_, v) in ref["boxes"].items():
         assert torch.equal(one["boxes"][n][1], v), n
     assert torch.equal(one["logits"], ref["logits"])
     assert one["losses"] == ref["losses"]
-    # tp2: every rank holds exactly its box of the reference, read no more than it holds
+    # ep2: every rank holds exactly its box of the reference (its half of the experts), reads no more than it holds
     for n, (_, v) in ref["boxes"].items():
-        assert torch.equal(_full([r["boxes"] for r in tp2], n, v.shape), v), n
-    for r in tp2:
+        assert torch.equal(_full([r["boxes"] for r in ep2], n, v.shape), v), n
+    assert ep2[0]["boxes"]["layers.1.mlp.experts.w1"][1].shape[0] == 4
+    for r in ep2:
         pad = 4 * (128 - 2) * sum(1 for k in ref["boxes"] if k.endswith("A_log"))  # the padding check reads
         assert 0 < r["stats"]["bytes_read"] <= r["local_bytes"] + pad
         assert r["stats"]["notes"] == [] and r["stats"]["skipped"] == []
-    for a, b in zip(tp2[0]["losses"], ref["losses"]):
-        assert abs(a - b) <= 1e-5 * abs(b), (tp2[0]["losses"], ref["losses"])
+    # each dp rank's loss is its rows' share of the global mean: the sum is the step's loss
+    for s in range(2):
+        got = ep2[0]["losses"][s] + ep2[1]["losses"][s]
+        assert abs(got - ref["losses"][s]) <= 1e-5 * abs(ref["losses"][s]), (ep2, ref["losses"])
 
 
 def _single_checkpoint(root, model, cfg, quant=None):

@@ -12,11 +12,11 @@ are *marked host*: ops whose tensor inputs are host tensors or constants (factor
 is not a device sync). Everything else is treated as living on the device; an op on constants
 only is flagged (conservative).
 
-Counted on the code before issue 19 (k3 parity model, one process, fp32): one MoE layer fwd+bwd
-made 7 host reads (1 bincount in permute, 3 ``.tolist()`` in the per-expert loop forward, 3 in
-its backward through ``torch.split``... see the report); a non-logging step made many more
-(one per MoE layer GEMM plus the optimizer's ``bool(any)`` and boolean-mask norm and the NaN-skip
-flag). The tests below pin the numbers after the change.
+Counted on the code before issue 19 (commit ce1127a, k3 parity model, fp32, this spy): one MoE
+layer fwd+bwd 4 (1 ``bincount`` in permute, 3 ``.tolist()`` in the per-expert loop); a MoonEP layer
+at ep=2 6 (plan ``.tolist()``, 2 ``bincount``, 3 loop ``.tolist()``); a non-logging step 34 outside
+the sites in ``ELSEWHERE`` and the NaN-skip flag (8 ``bincount``, 24 loop ``.tolist()``, the
+optimizer's ``bool(any)`` and boolean-mask norm). After: 0, 1 (the split sizes), 0.
 """
 from __future__ import annotations
 

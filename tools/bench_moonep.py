@@ -5,7 +5,8 @@
 1. planner time per layer, E=896, K=16, S=4096 tokens per rank, R in --ranks: torch vs C++;
 2. max/mean rows per rank, MoonEP vs home placement (baseline EP), under Zipf skews;
 3. bytes dispatched per token, latent (d/2) vs full-width rows, K3 dims (conf/model/k3_full.yaml);
-4. replica weight bytes vs token bytes per layer at K3 scale (bf16), from the Zipf plans.
+4. replica weight bytes vs token bytes per layer at K3 scale (bf16), from the Zipf plans;
+   replicas planned vs replica_lower_bound, and with moonep.tolerance=0.02.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 import yaml
 
 from moonep import _ext
-from moonep.planner import plan_moonep
+from moonep.planner import plan_moonep, replica_lower_bound
 
 
 def zipf_counts(R, E, T, a, seed=0):
@@ -73,6 +74,8 @@ def main(argv=None):
             nrep = int(p.num_replicas)
             print(f"  R={R:4d} zipf={a:3.1f}: baseline max/mean {float(home.max() / home.mean()):6.3f}  MoonEP "
                   f"{float(after.max() / after.mean()):6.3f}  feasible={bool(p.feasible)}  replicas={nrep:4d} "
+                  f"(lower bound {replica_lower_bound(c, T):4d}; tolerance 0.02: "
+                  f"{int(plan_moonep(c, T, tolerance=0.02).num_replicas):4d}) "
                   f"(max/rank {int((p.slot_expert_RJ[:, E // R:] >= 0).sum(1).max())})  replica weight bytes / "
                   f"token bytes (all ranks, per layer) = {nrep * w_bytes / (R * tok_bytes):.3f}")
 

@@ -166,7 +166,7 @@ def pixels_to_tensor(arr_HW3: np.ndarray):
     """uint8 [H, W, 3] -> float32 tensor [3, H, W] in [-1, 1] (what the vision tower is fed)."""
     import torch
 
-    x = torch.from_numpy(np.ascontiguousarray(arr_HW3)).permute(2, 0, 1).float()
+    x = torch.from_numpy(np.array(arr_HW3, dtype=np.uint8)).permute(2, 0, 1).float()  # a copy: the store is read-only
     return x.div_(127.5).sub_(1.0)
 
 

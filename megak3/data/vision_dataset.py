@@ -53,7 +53,7 @@ from megak3.data.preprocessing import JSON_SUFFIXES, collect_input_files
 from megak3.data.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe_tokenizer
 
 DEFAULT_MARKER = "<image>"
-RECORD_SKIPS = ("bad_json", "bad_record", "marker_mismatch", "empty")
+RECORD_SKIPS = ("bad_json", "bad_record", "marker_mismatch", "empty_record")
 
 
 # ---------------------------------------------------------------------------------------- preprocessing
@@ -143,7 +143,7 @@ def preprocess_image_text(inputs, output_prefix, tokenizer_path=None, train_toke
                 counts["marker_mismatch"] += 1
                 continue
             if not paths and not text.strip():
-                counts["empty"] += 1
+                counts["empty_record"] += 1
                 continue
             try:
                 fitted = [_fit_image(p, side, max_pixels, max_input_pixels, odd_modes, counts) for p in paths]
@@ -199,18 +199,31 @@ def format_image_stats(stats: dict) -> str:
 class VisionPackedDataset(PackedDataset):
     """Packed rows of an image–text dataset (see the module docstring); ``sample`` adds ``images``.
 
-    ``noise_images=True`` replaces every image's pixels by uniform noise of the same size, seeded
-    by the image id (the control arm of tools/vision_ablation.py); slots and text are unchanged.
+    ``image_control`` (the control arms of tools/vision_ablation.py; slots and text unchanged):
+    "real" (default); "noise": every image's pixels replaced by uniform noise of the same size,
+    seeded by the image id; "shuffle": every image replaced by another stored image of the same
+    size (a fixed derangement within each size), so pixel statistics stay real and only the
+    pairing with the text is broken.
     """
 
     def __init__(self, dataset: IndexedDataset, store: ImageStore, seq_len: int, split: str = "train",
                  valid_fraction: float = 0.02, seed: int = 1234, pad_id: int = 0, media_id: int = 3,
-                 noise_images: bool = False):
+                 image_control: str = "real"):
         super().__init__(dataset, seq_len, split, valid_fraction, seed, pad_id)
         if store.num_docs != len(dataset):
             raise DataError(f"{store.idx_path} describes {store.num_docs} documents but {dataset.idx_path} has "
                             f"{len(dataset)}: the image store belongs to another dataset; rebuild both")
-        self.store, self.media_id, self.noise_images = store, media_id, noise_images
+        if image_control not in ("real", "noise", "shuffle"):
+            raise ValueError(f"image_control={image_control!r} must be 'real', 'noise' or 'shuffle'")
+        self.store, self.media_id, self.image_control = store, media_id, image_control
+        self._swap = None
+        if image_control == "shuffle":  # image id -> another image of the same size
+            self._swap = np.arange(len(store))
+            hw = np.asarray(store.images[:, 1:]) if len(store) else np.zeros((0, 2), np.int64)
+            for size in np.unique(hw, axis=0):
+                same = np.flatnonzero((hw == size).all(1))
+                perm = np.random.default_rng([seed, 11, int(size[0]), int(size[1])]).permutation(same)
+                self._swap[perm] = np.roll(perm, 1)
         ids = np.asarray(store.refs[:, 0]) if len(store.refs) else np.zeros(0, np.int64)
         self._ref_tokens = store.tokens_of(ids) if len(ids) else np.zeros(0, np.int64)
         if len(ids) and int(self._ref_tokens.max()) > seq_len:
@@ -256,8 +269,10 @@ class VisionPackedDataset(PackedDataset):
         return self.samples_in_epoch(0)
 
     def image_pixels(self, image_id: int) -> np.ndarray:
+        if self._swap is not None:
+            image_id = self._swap[int(image_id)]
         img = self.store.image(int(image_id))
-        if self.noise_images:
+        if self.image_control == "noise":
             return np.random.default_rng([self.seed, 7, int(image_id)]).integers(0, 256, img.shape, dtype=np.uint8)
         return img
 
@@ -275,7 +290,7 @@ class VisionPackedDataset(PackedDataset):
 
 
 def open_split(prefix, seq_len: int, split: str, valid_fraction: float, seed: int, tokenizer: Tokenizer,
-               model_cfg=None, noise_images: bool = False) -> PackedDataset:
+               model_cfg=None, image_control: str = "real") -> PackedDataset:
     """The packed ``split`` of dataset ``prefix``: :class:`VisionPackedDataset` when it has an image
     store (checked against the model's vision settings), else the text :class:`PackedDataset`."""
     dataset = IndexedDataset(prefix)
@@ -295,4 +310,4 @@ def open_split(prefix, seq_len: int, split: str, valid_fraction: float, seed: in
             raise DataError(f"tokenizer {tokenizer.path} puts <|media|> at id {tokenizer.media_id} but "
                             f"model.media_placeholder_token_id={model_cfg.media_placeholder_token_id}")
     return VisionPackedDataset(dataset, store, seq_len, split, valid_fraction, seed, tokenizer.pad_id,
-                               tokenizer.media_id, noise_images)
+                               tokenizer.media_id, image_control)

@@ -89,12 +89,14 @@ class RankStep:
         return stack
 
     def to_device(self, batch: dict) -> dict:
+        """The micro-batch on this rank's device; ``cu_seqlens`` stays on the host, where
+        make_seq_info does its index math (moving it would cost a device-to-host copy back)."""
         def move(v):
             if torch.is_tensor(v):
                 return v.to(self.device, non_blocking=True)
             return [move(x) for x in v] if isinstance(v, list) else v  # images: a list of [C, H, W]
 
-        return {k: move(v) for k, v in batch.items()}
+        return {k: (v if k == "cu_seqlens" else move(v)) for k, v in batch.items()}
 
     def accumulate(self, micro: list) -> dict:
         """Forward/backward over one step's micro-batches (host tensors, moved here); feeds the QB

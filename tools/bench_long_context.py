@@ -8,7 +8,7 @@ cp = 1 and cp = 4, and the context-parallel bytes per layer against the all-to-a
 Every (T, cp) runs in fresh processes (gloo ranks, one thread each): build the production RankStep
 (megak3/train/step.py) of k3_tiny (text only, fp32, model.max_seq_len raised to T), one packed row of
 T tokens whose documents cross the CP boundaries, then ONE real training step (forward, backward,
-ZeRO-1 reduce, clip, Muon/AdamW, QB update). Reported per rank, max over ranks:
+ZeRO-1 reduce, clip, Muon/AdamW, QB update), with activation recompute by default (--no-recompute). Reported per rank, max over ranks:
 
   peak      VmHWM after the step (megak3.metrics.telemetry.peak_rss_bytes), the high-water mark
             restarted just before the step (reset_peak_rss), so it is the step's peak with the
@@ -20,7 +20,9 @@ ZeRO-1 reduce, clip, Muon/AdamW, QB update). Reported per rank, max over ranks:
             sharing this machine's cores the wall time over-states the critical path).
 
 Communication, measured in the same cp > 1 runs with megak3.ops.kda_cp.comm_log (bytes each rank
-sends to other ranks in a bandwidth-optimal collective, forward + backward, per layer):
+sends to other ranks in a bandwidth-optimal collective), after the step, by one forward + backward of
+the rank's first KDA and first MLA attention on its segment of the same batch (no recompute, so
+each collective counts once; under activation recompute the step re-issues the forward ones):
   KDA   the state-summary all-gather / reduce-scatter (cp * B * H * K * (K+V) fp32, independent of T)
         plus the conv halos (3 x (kernel-1) tokens x H*K, each way);
   MLA   the latent all-gather / reduce-scatter ((kv_lora_rank + rope) values per token).
@@ -66,7 +68,25 @@ def batch(T: int, vocab: int, cp: int):
     return {"input_ids": ids, "labels": labels, "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
 
 
-def _step_rank(rank, world, T, cp):
+def _layer_bytes(rs, b):
+    """Bytes this rank sends (comm_log) in a forward + backward of the model's first KDA and first MLA
+    attention on this rank's segment of batch ``b`` (no recompute): {kind: {collective: bytes}}."""
+    model = rs.model
+    ids, labels, seq = model.shard_inputs(b["input_ids"], b["labels"], b["cu_seqlens"])
+    out = {}
+    for kind in ("kda", "mla"):
+        layer = next(l for l in model.layers if l.kind == kind)
+        x = torch.randn(*ids.shape, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+        with comm_log() as log:
+            layer.self_attn(x.requires_grad_(), seq).square().mean().backward()
+        out[kind] = {}
+        for k, _, sent in log.events:
+            out[kind][k] = out[kind].get(k, 0) + sent
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _step_rank(rank, world, T, cp, recompute):
     from megak3.data.config import DataConfig
     from megak3.optim import OptimConfig
     from megak3.train.config import JobConfig, TrainConfig
@@ -78,7 +98,7 @@ def _step_rank(rank, world, T, cp):
     job = JobConfig(model=load_model_config("k3_tiny", **model_overrides(T)), data=DataConfig(seq_len=T),
                     optim=OptimConfig(lr=1e-3, warmup_steps=0, schedule="constant"),
                     train=TrainConfig(max_steps=1, global_batch_size=1, micro_batch_size=1, device="cpu",
-                                      precision="fp32"),
+                                      precision="fp32", activation_checkpointing=recompute),
                     parallel=ParallelConfig(cp=cp, backend="gloo", timeout_s=1200))
     ps = init_parallel(job.parallel, model_cfg=job.model) if world > 1 else ParallelState.single()
     rs = RankStep(job, ps, "cpu", grad_accum=1)
@@ -88,25 +108,17 @@ def _step_rank(rank, world, T, cp):
     rss0 = current_rss()
     reset_peak_rss()
     t0, c0 = time.perf_counter(), time.process_time()
-    with comm_log() as log:
-        rec = rs.accumulate([b])
-        out = rs.apply(0, 1)
+    rec = rs.accumulate([b])
+    out = rs.apply(0, 1)
     loss = float(rec["loss_sum"])
     c1 = time.process_time()
     if world > 1:
         dist.barrier()
     t1 = time.perf_counter()
     peak = peak_rss_bytes()
-    kinds = {}
-    for kind, _, sent in log.events:
-        kinds[kind] = kinds.get(kind, 0) + sent
-    return {"peak": peak, "rss0": rss0, "wall": t1 - t0, "cpu": c1 - c0, "sent": kinds, "loss_sum": loss,
+    sent = _layer_bytes(rs, b) if world > 1 else {}
+    return {"peak": peak, "rss0": rss0, "wall": t1 - t0, "cpu": c1 - c0, "sent": sent, "loss_sum": loss,
             "grad_norm": float(out["grad_norm"]), "step_tokens": float(rec["step_tokens"])}
-
-
-def layer_counts(cfg):
-    kinds = cfg.layer_kinds()
-    return kinds.count("kda"), kinds.count("mla")
 
 
 def alt_bytes(cfg, T: int, cp: int):
@@ -131,19 +143,22 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="T = 1K, 4K (about a minute)")
     ap.add_argument("--T", type=int, nargs="+", default=None, help="sequence lengths (default 4096 16384 65536)")
     ap.add_argument("--cp", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--no-recompute", action="store_true",
+                    help="keep every activation (default: train.activation_checkpointing=true, which the 64K "
+                         "step needs to fit in 24 GiB: without it k3_tiny keeps ~0.75 MiB per token)")
     args = ap.parse_args(argv)
+    recompute = not args.no_recompute
     Ts = args.T or ([1024, 4096] if args.quick else [4096, 16384, 65536])
     torch.set_num_threads(1)
     cfg = load_model_config("k3_tiny", **model_overrides(max(Ts)))
-    n_kda, n_mla = layer_counts(cfg)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    print(f"k3_tiny (text), one packed row of T tokens, one training step, fp32, gloo ranks with 1 thread "
-          f"on {cores} cores; max over ranks")
+    print(f"k3_tiny (text), one packed row of T tokens, one training step, fp32, activation recompute "
+          f"{'on' if recompute else 'off'}, gloo ranks with 1 thread on {cores} cores; max over ranks")
     res = {}
     for T in Ts:
         for cp in args.cp:
             t = time.perf_counter()
-            out = run_distributed(_step_rank, cp, T, cp, timeout_s=3000, collective_timeout_s=3600)
+            out = run_distributed(_step_rank, cp, T, cp, recompute, timeout_s=3000, collective_timeout_s=3600)
             res[T, cp] = out
             r = {k: max(o[k] for o in out) for k in ("peak", "rss0", "wall", "cpu")}
             loss = sum(o["loss_sum"] for o in out) / out[0]["step_tokens"]
@@ -186,13 +201,10 @@ def main(argv=None):
         for cp in args.cp:
             if cp == 1:
                 continue
-            sent = {}
-            for o in res[T, cp]:  # max over ranks of each kind
-                for k, v in o["sent"].items():
-                    sent[k] = max(sent.get(k, 0), v)
-            scan = (sent.get("all_gather", 0) + sent.get("reduce_scatter", 0)) / n_kda
-            halo = sent.get("all_to_all", 0) / n_kda
-            lat = (sent.get("mla_latent_all_gather", 0) + sent.get("mla_latent_reduce_scatter", 0)) / n_mla
+            mx = lambda kind, *names: max(sum(o["sent"][kind].get(n, 0) for n in names) for o in res[T, cp])
+            scan = mx("kda", "all_gather", "reduce_scatter")
+            halo = mx("kda", "all_to_all")
+            lat = mx("mla", "mla_latent_all_gather", "mla_latent_reduce_scatter")
             a_kda, a_mla = alt_bytes(cfg, T, cp)
             print(f"{T:7d} {cp:3d} {fmt(scan):>11} {fmt(halo):>11} {fmt(a_kda):>11} {a_kda / (scan + halo):16.1f} "
                   f"{fmt(lat):>11} {fmt(a_mla):>11} {a_mla / lat:11.2f}")

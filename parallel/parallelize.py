@@ -187,6 +187,10 @@ def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False) -> 
     model.loss_fn = lambda logits, labels: _vocab_parallel_loss(logits, labels, group)
     if sp and not fused_sp:
         model.sequence_shard = lambda x: C.scatter_to_sp(x, group, dim=1)
+    if getattr(model, "vision", None) is not None:  # weights replicated, images split over the ranks
+        from .tensor_parallel.image_split import ImageSplitTower
+
+        model.vision = ImageSplitTower(model.vision, group)
 
     # name bookkeeping: strip the ".inner" the wrappers add
     for n, _ in model.named_parameters():
@@ -202,7 +206,7 @@ def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False) -> 
             continue
         if n in region_dims:          # replicated inside a region, feeding sharded heads
             plan.partial_grad.append(n)
-        elif sp and not n.startswith("vision."):  # applied to sequence-sharded tokens
+        elif sp or n.startswith("vision."):  # applied to sequence-sharded tokens / this rank's images
             plan.partial_grad.append(n)
     return plan
 

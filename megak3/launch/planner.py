@@ -285,7 +285,9 @@ def _tp_sharded(name: str) -> bool:
 
 def _tp_partial(name: str, sequence_parallel: bool) -> bool:
     """Replicated params whose gradients parallelize.sync_partial_grads sums over TP (tp > 1)."""
-    if name.startswith("vision.") or _tp_sharded(name):
+    if name.startswith("vision."):      # each TP rank encodes its share of the images
+        return True
+    if _tp_sharded(name):
         return False
     if ".self_attn." in name:           # replicated inside a TP region, feeding sharded heads
         return True

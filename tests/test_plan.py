@@ -374,3 +374,89 @@ def test_qb_statistics_memory_and_comm(capsys):
 
 def _moe_layers_of(stage_mem, cfg):
     return sum(cfg.is_moe_layer(i) for a, b in stage_mem["layers"] for i in range(a, b))
+
+
+# ---- MoonEP replica buffers and traffic --------------------------------------------------------
+
+def test_moonep_replica_buffers_in_memory_and_comm():
+    GiB = 2 ** 30
+    """Per MoE layer one persistent [E/ep + M, 3 L m] buffer in the compute dtype per forward in
+    flight (moonep/moonep.py ReplicaBuffers); traffic at most M experts per layer and pass."""
+    cfg = load_model_config("k3_full")
+    E, L, m = cfg.moe.num_experts, cfg.moe.latent_size, cfg.moe.expert_intermediate_size
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    pc = P.PlanConfig(ep=8, world_size=8, seq_len=1024, global_batch_size=8).resolved()
+    st = P.stage_memory(cfg, pc, 0)
+    # the default bound M = E/ep = 112: the landing part alone is the issue's 6.9 GiB per layer (bf16)
+    assert 112 * 3 * L * m * 2 / GiB == pytest.approx(6.9, abs=0.01)
+    assert st["moonep_replica_slots"] == 112
+    assert st["moonep_replica_buffers"] == n_moe * (112 + 112) * 3 * L * m * 2
+    off = P.stage_memory(cfg, replace(pc, moonep=False), 0)
+    assert off["moonep_replica_buffers"] == 0
+    assert st["total"] - off["total"] == pytest.approx(st["moonep_replica_buffers"])
+    four = P.stage_memory(cfg, replace(pc, max_replicas_per_rank=4), 0)
+    assert four["moonep_replica_buffers"] == n_moe * (112 + 4) * 3 * L * m * 2
+    fp32 = P.stage_memory(cfg, replace(pc, precision="fp32"), 0)
+    assert fp32["moonep_replica_buffers"] == 2 * st["moonep_replica_buffers"]
+    assert P.stage_memory(cfg, P.PlanConfig(world_size=8, seq_len=1024, global_batch_size=8).resolved(),
+                          0)["moonep_replica_buffers"] == 0                      # no EP
+    # without checkpointing a layer keeps one buffer per forward in flight: 1F1B stage 0 of pp=2 holds 2
+    pp = P.PlanConfig(ep=8, pp=2, world_size=16, seq_len=1024, global_batch_size=16,
+                      activation_checkpointing=False).resolved()
+    s0 = P.stage_memory(cfg, pp, 0)
+    n0 = sum(cfg.is_moe_layer(i) for i in P._stage_layer_list(cfg, pp, 0))
+    assert s0["in_flight_micro_batches"] == 2
+    assert s0["moonep_replica_buffers"] == 2 * n0 * (112 + 112) * 3 * L * m * 2
+    # traffic: at most M experts per MoE layer per pass (fwd, recompute fwd, bwd) and micro-batch
+    c = P.comm_per_step(cfg, pc, 0)
+    assert c["ep_replicas_max"] == 3 * pc.micro_batches * n_moe * 112 * 3 * L * m * 2
+    assert P.comm_per_step(cfg, replace(pc, moonep=False), 0)["ep_replicas_max"] == 0
+    p = P.make_plan(cfg, pc, load_hardware("h200"))
+    assert p["comm_bytes_per_step"]["ep_replicas_max"] == c["ep_replicas_max"]
+    with pytest.raises(ValueError, match="moonep.max_replicas_per_rank=785"):
+        P.make_plan(cfg, replace(pc, max_replicas_per_rank=E - E // 8 + 1), load_hardware("h200"))
+    with pytest.raises(ValueError, match="moonep.max_replicas_per_rank=-1"):
+        replace(pc, max_replicas_per_rank=-1).resolved()
+
+
+def _replica_buffer_case(rank, world, autocast, in_flight):
+    import torch.distributed as dist
+
+    from megak3.model.moe import LatentMoE
+    from moonep.buffers import BufferPool
+    from moonep.config import MoonEPConfig
+    from parallel.expert_parallel import parallelize_ep
+    from parallel.parity import PARITY_MODEL
+
+    cfg = load_model_config("k3_tiny", **PARITY_MODEL)
+    torch.manual_seed(11)
+    moe = LatentMoE(cfg)
+    moe.gate.e_score_correction_bias.copy_(torch.tensor([0.3, 0.2, 0.1, 0.0, 0.0, 0.0, 0.0, 0.0]))
+    plan = parallelize_ep(moe, dist.group.WORLD, MoonEPConfig(), pool=BufferPool())
+    d = plan.dispatchers[0]
+    g = torch.Generator().manual_seed(rank)
+    ys, replicas = [], []
+    for _ in range(in_flight):                    # forwards in flight at once, then their backwards
+        x = torch.randn(16, cfg.hidden_size, generator=g, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y, _ = moe(x)
+        ys.append(y)
+        replicas.append(d.last["num_replicas"])
+    for y in ys:
+        y.float().square().sum().backward()
+    return d.replica_buffers.nbytes(), d.replica_buffers.allocations, replicas
+
+
+@pytest.mark.parametrize("autocast,in_flight", [(False, 1), (True, 2)])
+def test_moonep_replica_buffer_bytes_equal_a_real_layer(autocast, in_flight):
+    from parallel.parity import PARITY_MODEL
+    from parallel.testing import run_distributed
+
+    cfg = load_model_config("k3_tiny", **PARITY_MODEL)
+    pc = P.PlanConfig(ep=2, world_size=2, seq_len=16, global_batch_size=2, activation_checkpointing=False,
+                      precision="bf16" if autocast else "fp32").resolved()
+    fig = P.moonep_replica_figures(cfg, pc, 1, in_flight)
+    for nbytes, allocs, replicas in run_distributed(_replica_buffer_case, 2, autocast, in_flight, timeout_s=300):
+        assert all(r > 0 for r in replicas), replicas           # the skew made replicas every call
+        assert allocs == fig["buffers_per_layer"] == in_flight
+        assert nbytes == fig["memory"] == in_flight * fig["buffer_bytes"]

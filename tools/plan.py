@@ -12,7 +12,8 @@ Arguments (key=value): model=NAME and model.FIELD=VALUE (conf/model/), parallel.
 sequence_parallel,pp_schedule,vp,pp_split_blocks,pp_layout}, world_size, gpu (conf/hardware/: h100,
 h200, b200, cpu), data.seq_len, train.{micro_batch_size,global_batch_size,precision,
 activation_checkpointing}, param_dtype (fp32 as the trainer runs, or bf16), model.moe.qb_method
-(auto | exact | histogram). Without parallel.tp/pp/ep/dp the plan is the best layout --search finds.
+(auto | exact | histogram), moonep.{enabled,max_replicas_per_rank}. Without parallel.tp/pp/ep/dp
+the plan is the best layout --search finds.
 Without train.global_batch_size every plan, search and minimum assumes ~4 Mi tokens per step
 (1024 x 4096), rounded up to whole rounds of micro_batch_size x dp, and prints it.
 Exit status 0; 1 when the layout does not fit (or nothing fits); 2 on bad input.
@@ -34,7 +35,8 @@ KEYS = {"parallel.tp": ("tp", int), "parallel.pp": ("pp", int), "parallel.ep": (
         "train.precision": ("precision", str), "train.activation_checkpointing": ("activation_checkpointing", "bool"),
         "param_dtype": ("param_dtype", str), "parallel.pp_schedule": ("pp_schedule", str),
         "parallel.vp": ("vp", int), "parallel.pp_split_blocks": ("pp_split_blocks", "bool"),
-        "parallel.pp_layout": ("pp_layout", "list"), "model.moe.qb_method": ("qb_method", str)}
+        "parallel.pp_layout": ("pp_layout", "list"), "model.moe.qb_method": ("qb_method", str),
+        "moonep.enabled": ("moonep", "bool"), "moonep.max_replicas_per_rank": ("max_replicas_per_rank", int)}
 LAYOUT_KEYS = ("tp", "pp", "ep", "dp")
 
 
@@ -123,6 +125,8 @@ def format_plan(p) -> str:
     lines += [f"    no-ckpt, per micro-batch {k:<14} {_g(v)}" for k, v in m["activations_by_kind_per_micro_batch"].items()]
     lines += [f"  KDA chunk states {_g(m['kda_states'])}   (inside activations)",
               f"  MoonEP buffers   {_g(m['moonep_buffers'])}",
+              f"  MoonEP replicas  {_g(m['moonep_replica_buffers'])}   (persistent [E/ep + {m['moonep_replica_slots']}"
+              f" slots, 3 x latent x expert width] per MoE layer, compute dtype)",
               f"  QB statistics    {_g(m['qb_stats'])}   ({m['qb_method']}, {m['moe_layers']} MoE layers"
               + (f"; + {m['qb_transient'] / GiB:.2f} GiB gathered at the step end" if m["qb_transient"] else "") + ")",
               f"  autocast copies  {_g(m['autocast_weight_copies'])}",

@@ -31,14 +31,19 @@ Memory per rank (bytes; the rank of the pipeline stage that needs the most), as 
              shown separately)
   moonep     transient dispatch buffers of one MoE layer under EP: send, receive, expert output and
              combine, each [S*K, latent] (S = tokens of the rank, K = top_k)
+  moonep_replica_buffers  MoonEP's persistent per-layer weight buffers (moonep_replica_figures):
+             [E/ep + M, 3 x latent x expert width] in the compute dtype per MoE layer (M =
+             moonep.max_replicas_per_rank, 0 = E/ep), one per forward in flight on the stage (one
+             with activation checkpointing); allocated at the first replica and kept for the run
   qb_stats   Quantile-Balancing statistics of the stage's MoE layers (qb_figures): histogram
              int64 [E, bins] per layer, or the exact method's fp32 margins of the rank's tokens of the
              step [T_rank, E] per layer + at the step end one layer's gathered [T_group, E] twice
   comm       ZeRO-1 bucket (fp32 reduce-scatter buffer of dp segments, parallel/data_parallel.py)
   backward transient: the largest single module's saved bytes again (its input gradients)
-  peak       params + main + optimizer + QB stats + comm + the working set: activations (+ grads
-             when the step accumulates several micro-batches; with one, grads appear as activations
-             are freed, so the larger of the two counts), or the exact QB gather after the step
+  peak       params + main + optimizer + QB stats + MoonEP replica buffers + comm + the working set:
+             activations (+ grads when the step accumulates several micro-batches; with one, grads
+             appear as activations are freed, so the larger of the two counts), or the exact QB
+             gather after the step
 
 FLOPs per token (forward; training = 3x, + 1x of the layers with activation checkpointing):
   matmul     2 x active params (param counter: everything a token touches, top_k of E experts,
@@ -60,6 +65,11 @@ counted for every pipeline stage; the plan reports the stage with the longest st
        (parallel/parallelize.sync_partial_grads: under SP every replicated non-vision param)
   ep   MoonEP dispatch + combine of [S*K, latent] per MoE layer, forward and backward (+ the
        recompute forward's dispatch and combine under activation checkpointing: x 1.5)
+  ep_replicas_max  MoonEP replica weights with all M slots filled (an upper bound): M experts'
+       w1|w3|w2 per MoE layer fetched per forward (and recompute forward) in the compute dtype, their
+       gradients sent back in backward (moonep_replica_figures). Not in the step time: how many
+       slots a batch fills depends on its routing (none for near-uniform routing with
+       moonep.tolerance > 0; tools/bench_moonep.py prints replicas under Zipf skew)
   dp   ZeRO-1 reduce-scatter of fp32 grads + all-gather of params, dense over dp, experts over edp
   pp   the AttnRes depth state (partial + committed blocks) per micro-batch, to the next stage and
        its gradient back
@@ -188,6 +198,11 @@ class PlanConfig:
     """parallel.pp_split_blocks; None: only when pp x vp exceeds the AttnRes block starts"""
     pp_layout: Optional[tuple] = None
     """parallel.pp_layout: explicit layers per model chunk; None: balanced as the trainer does"""
+    moonep: bool = True
+    """moonep.enabled (used when ep > 1): MoonEP with replica slots; False: the baseline dispatcher
+    (home experts only: no replica buffers or traffic)"""
+    max_replicas_per_rank: int = 0
+    """moonep.max_replicas_per_rank: replica slots M per EP rank; 0 = num_experts / ep"""
     qb_method: str = ""
     """'' = model.moe.qb_method; 'auto' | 'exact' | 'histogram' (anything else counts as 'auto')"""
     qb_bins: int = 0
@@ -204,6 +219,9 @@ class PlanConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"parallel.{f}={v!r} must be an integer >= 1" if f in ("tp", "pp", "ep", "vp")
                                  else f"{f}={v!r} must be an integer >= 1")
+        m = self.max_replicas_per_rank
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"moonep.max_replicas_per_rank={m!r} must be an integer >= 0 (0 = num_experts / ep)")
         if self.precision not in ("bf16", "fp32"):
             raise ValueError(f"precision={self.precision!r} must be 'bf16' or 'fp32'")
         if self.param_dtype not in ("bf16", "fp32"):
@@ -257,6 +275,10 @@ def check_model(cfg: ModelConfig, pc: PlanConfig) -> None:
     from parallel.grid import Layout, validate_layout
 
     validate_layout(Layout(world_size=pc.world_size, tp=pc.tp, dp=pc.dp, pp=pc.pp, ep=pc.ep), cfg)
+    if pc.ep > 1 and pc.moonep:
+        from moonep.config import MoonEPConfig
+
+        MoonEPConfig(max_replicas_per_rank=pc.max_replicas_per_rank).validate(cfg.moe.num_experts, pc.ep)
     if pc.pp > 1:
         _chunks(cfg, pc)
 
@@ -630,6 +652,41 @@ def _n_moe(cfg: ModelConfig, layers) -> int:
     return sum(1 for i in layers if cfg.is_moe_layer(i))
 
 
+# ---- MoonEP replica slots ------------------------------------------------------------------------
+def moonep_replica_figures(cfg: ModelConfig, pc: PlanConfig, n_moe: int, in_flight: float = 1.0) -> dict:
+    """Memory and traffic of MoonEP's replica weights for ``n_moe`` MoE layers on one EP rank.
+
+    moonep/moonep.py: each MoE layer's dispatcher keeps persistent ``[J, P]`` buffers
+    (``ReplicaBuffers``), J = E/ep home experts + M replica slots (moonep.max_replicas_per_rank,
+    0 = E/ep), P = w1 + w3 + w2 of one expert = 3 x latent x expert width, in the compute dtype (bf16
+    under autocast, else the param dtype). A buffer stays busy while autograd holds the views of a
+    forward, so a layer keeps one per forward in flight on the stage (``in_flight``, rounded up);
+    with activation checkpointing the forward saves nothing and the recompute runs one layer at a
+    time: one. It is allocated at the layer's first replica and kept for the run, so it is counted
+    in full. Traffic per layer and forward (and recompute forward): at most M experts' weights
+    received (the average rank sends as much), and in backward their gradients sent back, in the
+    same dtype. Nothing under the baseline dispatcher (``moonep=False``) or without EP.
+
+    Returns slots (M), rows_per_buffer (J), elements_per_row (P), bytes_per_element,
+    buffer_bytes (one layer's one buffer), buffers_per_layer, memory (bytes, all layers), and
+    fetch_bytes_per_layer_pass (M x P x bytes).
+    """
+    out = {"slots": 0, "rows_per_buffer": 0, "elements_per_row": 0, "bytes_per_element": 0, "buffer_bytes": 0,
+           "buffers_per_layer": 0, "memory": 0.0, "fetch_bytes_per_layer_pass": 0.0}
+    if pc.ep <= 1 or not pc.moonep or not n_moe:
+        return out
+    e = cfg.moe
+    el = e.num_experts // pc.ep
+    m = pc.max_replicas_per_rank or el
+    p = 3 * e.latent_size * e.expert_intermediate_size
+    b = 2 if pc.precision == "bf16" or pc.param_dtype == "bf16" else 4
+    bufs = 1 if pc.activation_checkpointing else max(1, math.ceil(in_flight - 1e-9))
+    out.update(slots=m, rows_per_buffer=el + m, elements_per_row=p, bytes_per_element=b,
+               buffer_bytes=(el + m) * p * b, buffers_per_layer=bufs,
+               memory=float(n_moe * bufs * (el + m) * p * b), fetch_bytes_per_layer_pass=float(m * p * b))
+    return out
+
+
 # ---- activations ------------------------------------------------------------------------------
 def _coef(kind: str, precision: str) -> Dict[str, float]:
     table = ACT_COEF[precision]
@@ -720,6 +777,7 @@ def stage_memory(cfg: ModelConfig, pc: PlanConfig, stage: int) -> dict:
     if pc.ep > 1 and n_moe:
         moonep = 4 * t_sp * cfg.moe.top_k * cfg.moe.latent_size * a
     qb = qb_figures(cfg, pc, n_moe)
+    replicas = moonep_replica_figures(cfg, pc, n_moe, in_flight)
     comm = 2 * pc.bucket_bytes if pc.dp > 1 or pc.expert_dp > 1 else 0.0
     # bf16 autocast over fp32 weights caches a bf16 copy of every weight it uses during a forward
     autocast_copies = 2 * mem["local_params"] if pc.precision == "bf16" and pc.param_dtype == "fp32" else 0.0
@@ -732,13 +790,15 @@ def stage_memory(cfg: ModelConfig, pc: PlanConfig, stage: int) -> dict:
     # the ZeRO-1 bucket buffers live during reduce_gradients, after the last backward; the exact QB
     # margins are gathered after the optimizer step (gradients released)
     working = max(fwd_peak + (mem["grads"] if m_count > 1 else 0.0), mem["grads"] + comm, qb["transient"])
-    total = mem["params"] + mem["main_params"] + mem["optimizer_state"] + qb["persistent"] + working
+    total = mem["params"] + mem["main_params"] + mem["optimizer_state"] + qb["persistent"] + replicas["memory"] \
+        + working
     return {"stage": stage, "layers": [[c.start, c.stop] for c in stage_chunks(cfg, pc, stage)],
             "num_layers": len(layers), "moe_layers": n_moe, "in_flight_micro_batches": in_flight,
             "params": mem["params"], "grads": mem["grads"], "main_params": mem["main_params"],
             "optimizer_state": mem["optimizer_state"], "activations": acts,
             "activations_by_kind_per_micro_batch": by_kind, "activations_no_checkpointing": full * in_flight + head,
-            "kda_states": kda_states, "moonep_buffers": moonep, "comm_buffers": comm,
+            "kda_states": kda_states, "moonep_buffers": moonep, "moonep_replica_buffers": replicas["memory"],
+            "moonep_replica_slots": replicas["slots"], "comm_buffers": comm,
             "qb_stats": qb["persistent"], "qb_transient": qb["transient"], "qb_method": qb["method"],
             "backward_transient": transient, "autocast_weight_copies": autocast_copies, "total": total,
             "local_params": mem["local_params"], "local_dense": mem["local_dense"],
@@ -852,13 +912,15 @@ def comm_per_step(cfg: ModelConfig, pc: PlanConfig, stage: int) -> dict:
                 partial += place["partial_sp"] + (place["partial_sp_expert"] if pc.ep == 1 else 0)
     tp_sync = 2 * _ring(pc.tp) * partial * pbytes  # sync_partial_grads: one all-reduce per step
     ep = 2 * passes * n_moe * t_sp * cfg.moe.top_k * cfg.moe.latent_size * a * _ring(pc.ep) * m_count
+    ep_replicas_max = passes * m_count * n_moe * moonep_replica_figures(cfg, pc, n_moe)["fetch_bytes_per_layer_pass"]
     mem = _param_memory(cfg, pc, layers, first, last)
     dp_dense = mem["local_dense"] * (4 + pbytes) * _ring(pc.dp)
     dp_expert = mem["local_expert"] * (4 + pbytes) * _ring(pc.expert_dp)
     n_blocks = math.ceil(cfg.num_layers / cfg.attn_res_block_size)
     pp = (2 * m_count * pc.vp * (n_blocks + 1) * t_sp * d * a) if pc.pp > 1 else 0.0
     qb = qb_figures(cfg, pc, n_moe)
-    return {"tp": tp, "tp_grad_sync": tp_sync, "ep": ep, "dp": dp_dense + dp_expert, "pp": pp, "qb": qb["comm"],
+    return {"tp": tp, "tp_grad_sync": tp_sync, "ep": ep, "ep_replicas_max": ep_replicas_max, "dp": dp_dense + dp_expert,
+            "pp": pp, "qb": qb["comm"],
             "dp_dense": dp_dense, "dp_expert": dp_expert, "qb_tp": qb["comm_tp"], "qb_dp": qb["comm_dp"],
             "micro_batches": m_count, "stage": stage}
 
@@ -964,7 +1026,7 @@ def make_plan(cfg: ModelConfig, pc: PlanConfig, hw) -> dict:
         "hardware": hw.name,
         "memory": worst, "stages": stages,
         "flops_per_token": fl,
-        "comm_bytes_per_step": {k: comm[k] for k in ("tp", "tp_grad_sync", "ep", "dp", "pp", "qb")},
+        "comm_bytes_per_step": {k: comm[k] for k in ("tp", "tp_grad_sync", "ep", "ep_replicas_max", "dp", "pp", "qb")},
         "comm_stage": slow,
         "time": t, "stage_step_s": [x["step_s"] for x in times],
         "fits": worst["total"] <= usable, "usable_memory": usable,

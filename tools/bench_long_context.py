@@ -1,7 +1,8 @@
 """Long-context training of k3_tiny: peak memory per rank and step time at T = 4K, 16K, 64K for
 cp = 1 and cp = 4, and the context-parallel bytes per layer against the all-to-all alternative.
 
-    python tools/bench_long_context.py             # T = 4K, 16K, 64K; cp = 1, 4 (~10 min on 2 cores)
+    python tools/bench_long_context.py             # T = 4K, 16K, 64K; cp = 1, 4 (~20 min on 2 cores: each
+                                                   # 64K step takes ~8 min; --T 4096 16384 for ~3 min)
     python tools/bench_long_context.py --quick     # T = 1K, 4K; cp = 1, 4 (~1 min)
     python tools/bench_long_context.py --T 4096 16384 --cp 1 2 4
 

@@ -42,7 +42,7 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedTestError", "run_distributed"]
+__all__ = ["DistributedTestError", "run_distributed", "run_threaded"]
 
 # After the first failure the other ranks get this long to report errors of their own before they
 # are killed: long enough for ranks failing on their own at the same time, short enough for a test.
@@ -343,3 +343,58 @@ def _timeout_message(ranks, running, elapsed_s) -> str:
         state = "replied, then hung in teardown" if running[rank].reply else "no reply"
         lines += [f"--- stacks of rank {rank} ({state}) ---", running[rank].stacks() or "(none)"]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Threaded ranks: one process, a thread per rank (torch's "threaded" group). For unit tests of
+# collectives-heavy code where separate processes are not the point: no start-up, shared memory.
+
+
+def run_threaded(world_size: int, fn, timeout: float = 60.0) -> list:
+    """Run ``fn(group)`` on ``world_size`` threaded ranks sharing one "threaded" process group;
+    returns the per-rank results in rank order. Inside ``fn``, ``dist.get_rank()`` is the thread's
+    rank. The first failure is re-raised with its own type (for ``pytest.raises``) and every
+    failing rank's traceback attached as a note; ranks blocked in a collective are woken; a rank
+    still running after ``timeout`` seconds is a TimeoutError."""
+    from torch.testing._internal.distributed.multi_threaded_pg import (
+        ProcessLocalGroup,
+        _install_threaded_pg,
+        _uninstall_threaded_pg,
+    )
+
+    _install_threaded_pg()
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    store = dist.HashStore()
+    results, errors = [None] * world_size, []
+
+    def worker(rank):
+        try:
+            dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
+            results[rank] = fn(dist.group.WORLD)
+        except SystemExit:  # woken because another rank failed
+            pass
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append((exc, f"rank {rank}:\n{traceback.format_exc()}"))
+            ProcessLocalGroup.exception_handle(exc)  # release ranks waiting in a collective
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(world_size)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in threads):
+            raise TimeoutError(f"threaded ranks still running after {timeout}s (a collective mismatch?)")
+    finally:
+        ProcessLocalGroup.reset()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        _uninstall_threaded_pg()
+    if errors:
+        exc = errors[0][0]
+        exc.add_note("\n".join(trace for _, trace in errors))
+        raise exc
+    return results

@@ -7,9 +7,7 @@ model on the whole batch with build_optimizer. Loss contract (see the module doc
 backpropagates loss_sum_local / global_tokens and DP sums the gradients.
 """
 import copy
-import threading
 import time
-import traceback
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from torch import nn
 
 from megak3.model.norm import RMSNorm
 from megak3.optim import OptimConfig, build_optimizer, lr_at, set_lr
+from parallel import testing
 from parallel.data_parallel import ShardedOptimizer, assign_owners, load_consolidated_state, plan_buckets
 
 STEPS = 4
@@ -28,40 +27,8 @@ CFG = OptimConfig(lr=2e-2, warmup_steps=1, schedule="cosine", grad_clip=0.05)
 
 # ------------------------------------------------------------------ threaded multi-rank harness
 def run_threaded(world_size: int, fn, timeout: float = 60.0) -> list:
-    """Run ``fn(rank, group)`` on ``world_size`` threads sharing a threaded process group."""
-    from torch.testing._internal.distributed.multi_threaded_pg import (
-        ProcessLocalGroup, _install_threaded_pg, _uninstall_threaded_pg)
-
-    torch._C._distributed_c10d._set_thread_isolation_mode(True)
-    _install_threaded_pg()
-    store = dist.HashStore()
-    results, errors = [None] * world_size, []
-
-    def worker(rank):
-        dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
-        try:
-            results[rank] = fn(rank, dist.distributed_c10d._get_default_group())
-        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
-            errors.append((rank, traceback.format_exc()))
-            ProcessLocalGroup.exception_handle(e)  # wake ranks blocked in a collective
-        finally:
-            dist.destroy_process_group()
-
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world_size)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout)
-            if t.is_alive():
-                errors.append((-1, f"a rank did not finish within {timeout} s"))
-        ProcessLocalGroup.reset()
-    finally:
-        _uninstall_threaded_pg()
-        torch._C._distributed_c10d._set_thread_isolation_mode(False)
-    if errors:
-        raise AssertionError("\n".join(f"rank {r}:\n{tb}" for r, tb in errors))
-    return results
+    """``fn(rank, group)`` on threaded ranks (parallel.testing.run_threaded)."""
+    return testing.run_threaded(world_size, lambda group: fn(dist.get_rank(group), group), timeout)
 
 
 # ------------------------------------------------------------------ a small model on the naming contract
@@ -338,7 +305,7 @@ def test_different_models_on_ranks_are_rejected():
             model.extra = nn.Linear(4, 4, bias=False)
         ShardedOptimizer(model, CFG, group)
 
-    with pytest.raises(AssertionError, match="see different models"):
+    with pytest.raises(ValueError, match="see different models"):
         run_threaded(2, fn)
 
 

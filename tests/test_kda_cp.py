@@ -6,19 +6,11 @@ backend of CPU runs). Every rank holds a contiguous slice of one global sequence
 states and the gradients w.r.t. q, k, v, g, beta (and the initial state) are compared with chunk_kda
 over the whole sequence. Tolerance: 1e-5 relative (vector norm), fp32.
 """
-import threading
-import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.testing._internal.distributed.multi_threaded_pg import (
-    ProcessLocalGroup,
-    _install_threaded_pg,
-    _uninstall_threaded_pg,
-)
 
 from megak3.model.kda import ShortConv
 from megak3.model.seqinfo import make_seq_info
@@ -31,7 +23,7 @@ from megak3.ops.kda_cp import (
     kda_cp,
     segment_affine_map,
 )
-from parallel.testing import run_distributed
+from parallel.testing import run_distributed, run_threaded
 
 H, K, V = 2, 8, 6
 C = 16  # chunk size: small segments, fast
@@ -42,44 +34,6 @@ DOCS = [0, 50, 70, 75, 128, 250, 256]
 
 
 # --------------------------------------------------------------------------- harness
-def run_threaded(world_size, fn, timeout=60.0):
-    """Run ``fn(group)`` on ``world_size`` threaded ranks; per-rank results in rank order."""
-    _install_threaded_pg()
-    torch._C._distributed_c10d._set_thread_isolation_mode(True)
-    store = dist.HashStore()
-    results, errors = [None] * world_size, []
-
-    def worker(rank):
-        try:
-            dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
-            results[rank] = fn(dist.group.WORLD)
-        except SystemExit:
-            pass
-        except BaseException as exc:
-            errors.append((exc, f"rank {rank}:\n{traceback.format_exc()}"))
-            ProcessLocalGroup.exception_handle(exc)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-
-    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(world_size)]
-    try:
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + timeout
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        if any(t.is_alive() for t in threads):
-            raise TimeoutError(f"threaded ranks still running after {timeout}s")
-    finally:
-        ProcessLocalGroup.reset()
-        torch._C._distributed_c10d._set_thread_isolation_mode(False)
-        _uninstall_threaded_pg()
-    if errors:
-        exc = errors[0][0]
-        exc.add_note("\n".join(trace for _, trace in errors))
-        raise exc
-    return results
 
 
 def assert_close(got, want, tol=1e-5, what=""):

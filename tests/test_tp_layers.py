@@ -12,7 +12,6 @@ import copy
 import datetime
 import threading
 import time
-import traceback
 
 import pytest
 import torch
@@ -20,11 +19,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
-from torch.testing._internal.distributed.multi_threaded_pg import (
-    ProcessLocalGroup,
-    _install_threaded_pg,
-    _uninstall_threaded_pg,
-)
 
 from megak3.config import load_model_config
 from megak3.model.mla import GatedMLA
@@ -39,50 +33,13 @@ from parallel.parallelize import (
 )
 from parallel.tensor_parallel import collectives as C
 from parallel.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from parallel.testing import run_threaded
 
 B, T, D, FF, V = 2, 8, 16, 32, 24  # T, FF, V divisible by 4
 _RNG_LOCK = threading.Lock()
 
 
 # --------------------------------------------------------------------------- harness
-def run_threaded(world_size, fn, timeout=30.0):
-    """Run ``fn(world_group)`` on ``world_size`` threaded ranks; per-rank results, rank order."""
-    _install_threaded_pg()
-    torch._C._distributed_c10d._set_thread_isolation_mode(True)
-    store = dist.HashStore()
-    results, errors = [None] * world_size, []
-
-    def worker(rank):
-        try:
-            dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
-            results[rank] = fn(dist.group.WORLD)
-        except SystemExit:  # woken up because another rank failed
-            pass
-        except BaseException as exc:
-            errors.append((exc, f"rank {rank}:\n{traceback.format_exc()}"))
-            ProcessLocalGroup.exception_handle(exc)  # release ranks waiting in a collective
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-
-    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(world_size)]
-    try:
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + timeout
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        if any(t.is_alive() for t in threads):
-            raise TimeoutError(f"threaded ranks still running after {timeout}s (a collective mismatch?)")
-    finally:
-        ProcessLocalGroup.reset()
-        torch._C._distributed_c10d._set_thread_isolation_mode(False)
-        _uninstall_threaded_pg()
-    if errors:  # re-raise the first failure (its type, for pytest.raises) with every rank's traceback
-        exc = errors[0][0]
-        exc.add_note("\n".join(trace for _, trace in errors))
-        raise exc
-    return results
 
 
 def assert_close(got, want, tol=1e-6, what=""):

@@ -19,6 +19,7 @@ from parallel.expert_parallel import full_expert_tensor, parallelize_ep
 from parallel.grid import Layout
 from parallel.parity import PARITY_MODEL
 from parallel.testing import run_distributed
+from test_moonep_dispatch import _run_layers  # forward through the layers, backward of (h * w).sum()
 
 RTOL = 1e-5
 COUNTS = [[3, 0, 5, 0, 1, 2], [0, 0, 11, 0, 0, 0], [1, 1, 1, 1, 1, 1], [7, 0, 0, 0, 0, 9], [0] * 6]
@@ -103,22 +104,13 @@ def _layers(impl):
     return out, cfg
 
 
-def _fwd_bwd(layers, x, w):
-    x = x.clone().requires_grad_(True)
-    h = x
-    for moe in layers:
-        h, _ = moe(h)
-    (h * w).sum().backward()
-    return h.detach(), x.grad
-
-
 def test_layer_ep1_grouped_vs_loop():
     res = {}
     for impl in (None, "loop"):
         layers, cfg = _layers(impl)
         g = torch.Generator().manual_seed(3)
         x, w = torch.randn(64, cfg.hidden_size, generator=g), torch.randn(64, cfg.hidden_size, generator=g)
-        y, gx = _fwd_bwd(layers, x, w)
+        y, gx = _run_layers(layers, x, w)
         res[impl] = [y, gx] + [p.grad for m in layers for p in m.parameters()]
     for a, b in zip(res[None], res["loop"]):
         assert _rel(a, b) <= RTOL
@@ -140,7 +132,7 @@ def _ep_cases(rank, world, eps):
             plans = [parallelize_ep(m, groups["ep"], MoonEPConfig(), pool=BufferPool()) for m in layers]
             g = torch.Generator().manual_seed(3 + rank)
             x, w = torch.randn(T_LOC, cfg.hidden_size, generator=g), torch.randn(T_LOC, cfg.hidden_size, generator=g)
-            y, gx = _fwd_bwd(layers, x, w)
+            y, gx = _run_layers(layers, x, w)
             grads = []
             for m, plan in zip(layers, plans):
                 for n, p in m.named_parameters():

@@ -97,7 +97,7 @@ def _to_rgb(im, odd_modes: str) -> Tuple[np.ndarray, Optional[str]]:
     mode = im.mode
     if mode == "RGB":
         return np.asarray(im, dtype=np.uint8), None
-    convertible = mode in ("P", "PA", "L", "LA", "1", "RGBA", "RGBa", "LA", "CMYK", "YCbCr") or mode.startswith("I")
+    convertible = mode in ("P", "PA", "L", "LA", "1", "RGBA", "RGBa", "CMYK", "YCbCr") or mode.startswith("I")
     if not convertible or odd_modes == "skip":
         raise ImageSkip("bad_mode", f"mode {mode}")
     if mode.startswith("I"):  # 16-bit grey (I;16, I;16B, I;16L) or 32-bit "I" holding 16-bit data

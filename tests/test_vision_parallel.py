@@ -86,7 +86,8 @@ def reference():
     return run_vision_steps(0, 1, 1, 1, False, 1)
 
 
-LAYOUTS = [(1, False, 2, 1), (2, False, 1, 1), (2, True, 1, 1), (1, False, 1, 2), (2, True, 2, 1)]
+LAYOUTS = [(1, False, 2, 1), (2, False, 1, 1), (2, True, 1, 1), (1, False, 1, 2), (2, True, 2, 1),
+           (2, True, 2, 2)]  # the last: 8 ranks, pp2 x tp2 (+SP) x dp2
 
 
 @pytest.mark.parametrize("tp,sp,dp,pp", LAYOUTS,

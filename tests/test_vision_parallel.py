@@ -103,3 +103,23 @@ def test_vision_layout_matches_single_process(reference, tp, sp, dp, pp):
         assert float(g.norm()) > 0, n  # the tower gets gradient through the spliced tokens
         rel = float((got["vision_grads"][n] - g).norm()) / float(g.norm())
         assert rel <= GRAD_RTOL, (n, rel)
+
+
+@pytest.mark.parametrize("preset", ["k3_full", "k3_tiny"])
+def test_planner_vision_flops_match_flop_counter(preset):
+    """The planner's tower FLOPs per patch (at a pos_grid x pos_grid-patch image) equal torch's count."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megak3.config import load_model_config
+    from megak3.launch.planner import flops_per_token
+    from megak3.model.vision import VisionTower
+
+    cfg = load_model_config(preset)
+    v = cfg.vision
+    with torch.device("meta"):
+        tower = VisionTower(v, cfg.hidden_size)
+        image = torch.empty(3, v.pos_grid * v.patch_size, v.pos_grid * v.patch_size)
+    with FlopCounterMode(display=False) as counter:
+        tower([image])
+    measured = counter.get_total_flops() / v.pos_grid ** 2
+    assert flops_per_token(cfg, 4096)["vision_per_patch_forward"] == pytest.approx(measured, rel=1e-9)

@@ -52,7 +52,7 @@ FLOPs per token (forward; training = 3x, + 1x of the layers with activation chec
   mla        per MLA layer, causal scores + values: H * (qk_head + v_head) * T  (average context T/2)
   kda        per KDA layer: H * (6 K^2 + 3 C K) (state read, write and delta correction 2K^2 each;
              intra-chunk QK^T and AV over C/2 on average; the WY/UT transform C K)
-  vision     per image patch token: 2 x vision params + its attention over the patch sequence
+  vision     per image patch: 2 x the tower's GEMM weights (merger once per merge^2 patches) + attention
 The same split per decoder layer (layer_flops_per_token) gives each stage's compute.
 
 Communication per rank per optimizer step (bytes; ring algorithms, (n-1)/n of the data moved),
@@ -838,9 +838,13 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
     out["matmul_forward"] = 2.0 * pc["active"]
     out["train"] = 3.0 * out["forward"]
     v = cfg.vision
-    if v.enabled:
-        patches = v.pos_grid ** 2
-        out["vision_per_patch_forward"] = 2.0 * comp["vision"] + 2 * v.num_layers * v.num_heads * v.head_dim * patches
+    if v.enabled:  # an image the size of the learned position grid (pos_grid^2 patches: 896 x 896 px at K3)
+        patches, D, qkv, m2 = v.pos_grid ** 2, v.hidden_size, v.num_heads * v.head_dim, v.merge ** 2
+        gemm = (v.in_channels * v.patch_size ** 2 * D                    # patch embedding
+                + v.num_layers * (4 * D * qkv + 2 * D * v.intermediate_size)  # qkv, proj, fc1, fc2
+                + (m2 * D * v.projector_hidden + v.projector_hidden * cfg.hidden_size) / m2)  # merger: 1 per m^2
+        # + QK^T and AV over the image's patches; equals torch's FLOP counter on the tower exactly
+        out["vision_per_patch_forward"] = 2.0 * gemm + 4.0 * v.num_layers * qkv * patches
     out["active_params"] = pc["active"]
     out["total_params"] = pc["total"]
     return out

@@ -20,7 +20,7 @@ import shutil
 import sys
 import sysconfig
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 FORMAT_VERSION = 1
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
@@ -50,6 +50,33 @@ def cache_key(files: List[Path], vocab_size: int) -> str:
     return h.hexdigest()[:16]
 
 
+def publish_cache_entry(entry: Path, build: Callable[[Path], dict]) -> Optional[dict]:
+    """Build the cache directory ``entry`` once and publish it atomically.
+
+    ``build(tmp)`` writes the entry's files into a temporary sibling directory and returns its
+    stats; they are written to ``meta.json`` last and the directory is renamed into place, so
+    concurrent callers (several ranks, two terminals) each either find a complete entry or publish
+    one. Returns the stats when this call built the entry, None when it was already complete (or
+    another process published it first)."""
+    if (entry / "meta.json").is_file():  # meta.json is written last: its presence means complete
+        return None
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = entry.parent / f".{entry.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        stats = build(tmp)
+        (tmp / "meta.json").write_text(json.dumps(stats, indent=1))
+        try:
+            os.rename(tmp, entry)
+        except OSError:  # another process published the same entry first; theirs is identical
+            if not (entry / "meta.json").is_file():
+                raise
+            return None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return stats
+
+
 def build_demo_dataset(cache_dir, vocab_size: int = 8192, workers: int = 2, progress: bool = True) -> Tuple[str, str]:
     """Build (once) and return ``(prefix, tokenizer_path)`` of the demo corpus under ``cache_dir``.
 
@@ -67,23 +94,15 @@ def build_demo_dataset(cache_dir, vocab_size: int = 8192, workers: int = 2, prog
     if (entry / "meta.json").is_file():  # meta.json is written last: its presence means complete
         return str(prefix), str(tok_path)
 
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = entry.parent / f".{entry.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    def build(tmp: Path) -> dict:
         stats = preprocess(files, tmp / PREFIX_NAME, train_tokenizer=True, vocab_size=vocab_size,
                            workers=workers, progress=progress)
         stats.update(prefix=str(prefix), tokenizer=str(tok_path), python=sys.version.split()[0],
                      mb_text=sum(f.stat().st_size for f in files) / 1e6, root=str(demo_root()))
-        (tmp / "meta.json").write_text(json.dumps(stats, indent=1))
-        try:
-            os.rename(tmp, entry)
-        except OSError:  # another process published the same entry first; theirs is identical
-            if not (entry / "meta.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if progress:
+        return stats
+
+    stats = publish_cache_entry(entry, build)
+    if stats is not None and progress:
         print(f"demo corpus: {len(files)} files, {stats['mb_text']:.1f} MB; " + format_stats(stats),
               file=sys.stderr)
     return str(prefix), str(tok_path)

@@ -74,17 +74,14 @@ def build_demo_vision_dataset(cache_dir, vocab_size: int = 512, num_docs: int = 
     """Build (once) and return ``(prefix, tokenizer_path)`` of the image–text demo under ``cache_dir``."""
     from PIL import Image
 
+    from megak3.data.demo import publish_cache_entry
     from megak3.data.vision_dataset import format_image_stats, preprocess_image_text
 
     key = hashlib.sha256(f"megak3-demo-vision v{FORMAT_VERSION} vocab={vocab_size} docs={num_docs}".encode())
     entry = Path(os.path.expanduser(str(cache_dir))) / f"demo-vision-v{vocab_size}-{key.hexdigest()[:16]}"
     prefix, tok_path = entry / PREFIX_NAME, entry / "tokenizer.json"
-    if (entry / "meta.json").is_file():  # written last: its presence means complete
-        return str(prefix), str(tok_path)
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = entry.parent / f".{entry.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+
+    def build(tmp: Path) -> dict:
         src = tmp / "src"
         (src / "img").mkdir(parents=True)
         with open(src / "captions.jsonl", "w") as f:
@@ -96,14 +93,9 @@ def build_demo_vision_dataset(cache_dir, vocab_size: int = 512, num_docs: int = 
                                       vocab_size=vocab_size)
         shutil.rmtree(src)
         stats.update(prefix=str(prefix), tokenizer=str(tok_path))
-        (tmp / "meta.json").write_text(json.dumps(stats, indent=1))
-        try:
-            os.rename(tmp, entry)
-        except OSError:  # another process published the same entry first; theirs is identical
-            if not (entry / "meta.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if progress:
+        return stats
+
+    stats = publish_cache_entry(entry, build)
+    if stats is not None and progress:
         print("demo_vision corpus: " + format_image_stats(stats), file=sys.stderr)
     return str(prefix), str(tok_path)

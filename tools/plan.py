@@ -8,12 +8,13 @@
     python tools/plan.py model=k3_tiny world_size=4 parallel.tp=2 gpu=cpu train.precision=fp32 --json
     python tools/plan.py --calibrate        # re-derive the activation coefficients on this machine
 
-Arguments (key=value): model=NAME and model.FIELD=VALUE (conf/model/), parallel.{tp,pp,ep,dp,
+Arguments (key=value): model=NAME and model.FIELD=VALUE (conf/model/), parallel.{tp,pp,ep,dp,cp,
 sequence_parallel,pp_schedule,vp,pp_split_blocks,pp_layout}, world_size, gpu (conf/hardware/: h100,
 h200, b200, cpu), data.seq_len, train.{micro_batch_size,global_batch_size,precision,
 activation_checkpointing}, param_dtype (fp32 as the trainer runs, or bf16), model.moe.qb_method
-(auto | exact | histogram), moonep.{enabled,max_replicas_per_rank}. Without parallel.tp/pp/ep/dp
-the plan is the best layout --search finds.
+(auto | exact | histogram), moonep.{enabled,max_replicas_per_rank}. Without parallel.tp/pp/ep/dp/cp
+the plan is the best layout --search finds (cp included: powers of two leaving >= 4096 tokens per
+CP rank, e.g. --min-gpus data.seq_len=1048576 finds the million-token layouts).
 Without train.global_batch_size every plan, search and minimum assumes ~4 Mi tokens per step
 (1024 x 4096), rounded up to whole rounds of micro_batch_size x dp, and prints it.
 Exit status 0; 1 when the layout does not fit (or nothing fits); 2 on bad input.
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GiB = 2 ** 30
 KEYS = {"parallel.tp": ("tp", int), "parallel.pp": ("pp", int), "parallel.ep": ("ep", int),
-        "parallel.dp": ("dp", int), "parallel.sequence_parallel": ("sequence_parallel", "bool"),
+        "parallel.dp": ("dp", int), "parallel.cp": ("cp", int), "parallel.sequence_parallel": ("sequence_parallel", "bool"),
         "world_size": ("world_size", int), "data.seq_len": ("seq_len", int),
         "train.micro_batch_size": ("micro_batch_size", int), "train.global_batch_size": ("global_batch_size", int),
         "train.precision": ("precision", str), "train.activation_checkpointing": ("activation_checkpointing", "bool"),
@@ -37,7 +38,7 @@ KEYS = {"parallel.tp": ("tp", int), "parallel.pp": ("pp", int), "parallel.ep": (
         "parallel.vp": ("vp", int), "parallel.pp_split_blocks": ("pp_split_blocks", "bool"),
         "parallel.pp_layout": ("pp_layout", "list"), "model.moe.qb_method": ("qb_method", str),
         "moonep.enabled": ("moonep", "bool"), "moonep.max_replicas_per_rank": ("max_replicas_per_rank", int)}
-LAYOUT_KEYS = ("tp", "pp", "ep", "dp")
+LAYOUT_KEYS = ("tp", "pp", "ep", "dp", "cp")
 
 
 def _bool(key, v):
@@ -99,16 +100,20 @@ def batch_line(L) -> str:
             f"{L['tokens_per_step'] / 1e6:.2f} M tokens per step ({src})")
 
 
+def _cp(L) -> str:
+    return f" cp={L['cp']}" if L.get("cp", 1) > 1 else ""
+
+
 def short_line(p) -> str:
     L, t = p["layout"], p["time"]
-    return (f"tp={L['tp']} pp={L['pp']} ep={L['ep']} dp={L['dp']} micro_batch={L['micro_batch_size']} "
+    return (f"tp={L['tp']}{_cp(L)} pp={L['pp']} ep={L['ep']} dp={L['dp']} micro_batch={L['micro_batch_size']} "
             f"global_batch={L['global_batch_size']}: {t['tokens_per_s']:,.0f} tokens/s, step {t['step_s']:.2f} s, "
             f"MFU {100 * t['mfu']:.1f}%, {p['memory']['total'] / GiB:.1f} GiB/rank")
 
 
 def format_plan(p) -> str:
     L, m, t, f, c = p["layout"], p["memory"], p["time"], p["flops_per_token"], p["comm_bytes_per_step"]
-    lines = [f"layout tp={L['tp']} pp={L['pp']} ep={L['ep']} dp={L['dp']} (edp={L['edp']}) on {L['world_size']} x "
+    lines = [f"layout tp={L['tp']}{_cp(L)} pp={L['pp']} ep={L['ep']} dp={L['dp']} (edp={L['edp']}) on {L['world_size']} x "
              f"{p['hardware']}; sp={L['sequence_parallel']} micro_batch={L['micro_batch_size']} x seq {L['seq_len']} "
              f"({L['micro_batches']} micro-batches per step, {L['pp_schedule']}"
              f"{' vp=' + str(L['vp']) if L['vp'] > 1 else ''}"
@@ -123,6 +128,11 @@ def format_plan(p) -> str:
              f"  optimizer state  {_g(m['optimizer_state'])}   (ZeRO-1: Muon momentum / AdamW moments, owned share)",
              f"  activations      {_g(m['activations'])}   (without checkpointing: {_g(m['activations_no_checkpointing']).strip()})"]
     lines += [f"    no-ckpt, per micro-batch {k:<14} {_g(v)}" for k, v in m["activations_by_kind_per_micro_batch"].items()]
+    cps = m.get("cp_saved_per_micro_batch", {})
+    if L.get("cp", 1) > 1:
+        lines.append(f"    CP, per micro-batch: KDA summaries/identity block {_g(cps.get('kda', 0)).strip()}, MLA "
+                     f"prefix keys {_g(cps.get('mla', 0)).strip()} (latent + fp32 K/V of the last CP rank's "
+                     f"{L['seq_len']} keys; inside the above)")
     lines += [f"  KDA chunk states {_g(m['kda_states'])}   (inside activations)",
               f"  MoonEP buffers   {_g(m['moonep_buffers'])}",
               f"  MoonEP replicas  {_g(m['moonep_replica_buffers'])}   (persistent [E/ep + {m['moonep_replica_slots']}"
@@ -140,9 +150,12 @@ def format_plan(p) -> str:
               + (f"; vision {f['vision_per_patch_forward'] / 1e9:.2f} G per patch" if "vision_per_patch_forward" in f else ""),
               f"comm per rank per step (stage {p['comm_stage']}, the slowest"
               f"{', recompute forward counted' if L['activation_checkpointing'] else ''}): "
-              + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in c.items()),
+              + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in c.items() if k != "cp" or L.get("cp", 1) > 1)
+              + (f" (cp: KDA summaries + halos {p['cp_comm_bytes_per_step']['kda'] / GiB:.2f} GiB, MLA latent "
+                 f"{p['cp_comm_bytes_per_step']['mla'] / GiB:.2f} GiB)" if L.get("cp", 1) > 1 else ""),
               f"step time {t['step_s']:.2f} s = (compute {t['compute_s']:.2f} + tp {t['tp_s']:.2f} + ep {t['ep_s']:.2f} "
-              f"+ pp {t['pp_s']:.2f}) x bubble {t['bubble']:.2f} + tp grad sync {t['tp_grad_sync_s']:.2f} "
+              + (f"+ cp {t['cp_s']:.2f} " if L.get("cp", 1) > 1 else "")
+              + f"+ pp {t['pp_s']:.2f}) x bubble {t['bubble']:.2f} + tp grad sync {t['tp_grad_sync_s']:.2f} "
               f"+ dp exposed {t['dp_exposed_s']:.2f} + QB {t['qb_s']:.2f}; "
               f"{t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f}%",
               f"train with: {p['trainer_overrides']}"]
@@ -231,7 +244,7 @@ def main(argv=None) -> int:
         print(json.dumps(p, default=str))
         return 0 if p["fits"] else 1
     if not given:
-        print(f"no parallel.tp/pp/ep/dp given: the best layout on {base.world_size} x {hw.name} (what --search ranks "
+        print(f"no parallel.tp/pp/ep/dp/cp given: the best layout on {base.world_size} x {hw.name} (what --search ranks "
               f"first); give parallel.* to plan another")
     print(format_plan(p))
     if not p["fits"]:
@@ -247,7 +260,8 @@ def main(argv=None) -> int:
 
 
 def extras_without_layout(overrides) -> str:
-    drop = ("model=", "gpu=", "world_size=", "parallel.tp=", "parallel.pp=", "parallel.ep=", "parallel.dp=")
+    drop = ("model=", "gpu=", "world_size=", "parallel.tp=", "parallel.pp=", "parallel.ep=", "parallel.dp=",
+            "parallel.cp=")
     return " ".join(a for a in overrides if not a.startswith(drop))
 
 

@@ -85,6 +85,43 @@ all m, interleaved (2 (p - 1 - s) + (vp - 1) p + 1) / vp (its warm-up, in whole-
 p - s plus ~0.5 per postponed W (s of them; tools/bench_pipeline.py).
 A group inside one node uses the NVLink bandwidth, one spanning nodes the per-GPU network bandwidth
 (hardware table); the expert grid puts ep fastest (etp = 1), so an EP group spans ep ranks.
+
+Context parallelism (parallel.cp, parallel/context_parallel.py; cp = 1 plans exactly as before):
+  layout     world = tp x cp x dp x pp; every CP rank of a group holds the same rows' contiguous
+             segment of seq_len / cp tokens (seq_len divisible by cp, by cp x tp under SP, and
+             seq_len / cp >= the KDA conv halo); the global batch is a multiple of micro-batch x dp
+             (not cp). Dense gradients, ZeRO-1 ownership, checkpoint savers and QB statistics are
+             over dp x cp; routed experts fold over cp x dp (edp = world / (pp ep)).
+  tokens     every per-rank token count (activations, kept layer inputs, TP / EP / PP traffic,
+             MoonEP buffers, QB margins) is the micro-batch's mbs x seq_len / cp (/ tp under SP).
+  KDA layer  (cp_layer_figures) the coefficients' activations of the local tokens; on ranks > 0
+             the local pass runs on [v | 0_K] from [0 | I] (megak3/ops/kda_cp.py), which adds the
+             identity block's chunk states (the HKK_C term again x K/V), the zero value block and u
+             ([t, H/tp, K] fp32 each); + the fixed summaries, own [B, H/tp, K, K+V] and gathered
+             [cp, B, H/tp, K, K+V] fp32. Nothing grows faster than T / cp.
+  MLA layer  the coefficients' activations of the local tokens WITHOUT the HT (T^2) term (under CP
+             MLA always runs the chunked attention, ops/attention.py); + per key of the last CP
+             rank's prefix (all T tokens of the row: the worst rank) what the code saves: the
+             gathered latent (kv_lora_rank + rope, activation dtype), its normed kv part
+             (kv_lora_rank), the norm's fp32 rstd, the expanded K and V of every key in fp32
+             (H/tp x (qk_nope + rope + v) x 4 B, saved by the chunked attention) and the keys'
+             int64 document ids. Linear in T (the prefix), no [T, T] tensor; the expanded prefix
+             K/V dominates at long T (a kernel that expands K/V per key chunk from the latent would
+             make it O(chunk)). (At cp = 1 the calibrated HT term stays: it was measured from CPU
+             SDPA's math path on unpacked rows, an upper bound for the GPU flash / chunked paths.)
+  comm (cp)  bytes one rank sends per step, ring / bandwidth-optimal as comm_log counts them:
+             KDA per layer and micro-batch: all-gather of the summaries (cp-1) x B x H/tp x K x
+             (K+V) x 4 B forward and the same in its backward reduce-scatter, + conv halos (q, k, v)
+             (kernel-1) x B x H/tp x (2K+V) in the activation dtype each way; MLA: the latent
+             all-gather (cp-1) x B x seq_len/cp x (kv_lora_rank + rope) in the activation dtype
+             forward and its reduce-scatter backward (every TP rank gathers the whole latent: it
+             is not TP-sharded). The forward collectives run again in the recompute forward under
+             activation checkpointing. A CP group spans tp x cp consecutive ranks (order
+             tp-cp-ep-dp-pp): NVLink when that fits in a node. In the step time like tp and ep
+             (exposed, inside the bubble factor).
+  MLA imbalance  contiguous placement: the last CP rank's queries see (cp - 1/2) segments of keys,
+             (2cp - 1) / cp x the average MLA score work; the step waits for it, so a stage's MLA
+             score FLOPs count x (2cp - 1) / cp.
 """
 from __future__ import annotations
 
@@ -177,7 +214,9 @@ class PlanConfig:
     pp: int = 1
     ep: int = 1
     dp: int = 0
-    """0: world_size / (tp * pp)"""
+    """0: world_size / (tp * cp * pp)"""
+    cp: int = 1
+    """parallel.cp: context-parallel degree (each sequence split into cp contiguous segments)"""
     world_size: int = 1
     sequence_parallel: bool = True
     """SP under tp > 1 (the trainer's EP x TP layouts require it)"""
@@ -214,10 +253,10 @@ class PlanConfig:
     """set by resolved(): the global batch came from default_global_batch()"""
 
     def resolved(self) -> "PlanConfig":
-        for f in ("tp", "pp", "ep", "vp", "world_size", "micro_batch_size", "seq_len"):
+        for f in ("tp", "pp", "ep", "cp", "vp", "world_size", "micro_batch_size", "seq_len"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"parallel.{f}={v!r} must be an integer >= 1" if f in ("tp", "pp", "ep", "vp")
+                raise ValueError(f"parallel.{f}={v!r} must be an integer >= 1" if f in ("tp", "pp", "ep", "cp", "vp")
                                  else f"{f}={v!r} must be an integer >= 1")
         m = self.max_replicas_per_rank
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
@@ -226,18 +265,23 @@ class PlanConfig:
             raise ValueError(f"precision={self.precision!r} must be 'bf16' or 'fp32'")
         if self.param_dtype not in ("bf16", "fp32"):
             raise ValueError(f"param_dtype={self.param_dtype!r} must be 'bf16' or 'fp32'")
-        model = self.tp * self.pp
+        model = self.tp * self.cp * self.pp
+        axes = "tp*cp*pp" if self.cp > 1 else "tp*pp"
         if self.world_size % model:
-            raise ValueError(f"parallel.tp*pp = {model} does not divide world_size={self.world_size}")
+            raise ValueError(f"parallel.{axes} = {model} does not divide world_size={self.world_size}")
         dp = self.dp or self.world_size // model
         if dp * model != self.world_size:
-            raise ValueError(f"parallel.tp*pp*dp = {model}*{dp} must equal world_size={self.world_size}")
+            raise ValueError(f"parallel.{axes}*dp = {model}*{dp} must equal world_size={self.world_size}")
         if (self.world_size // self.pp) % self.ep:
             raise ValueError(f"parallel.ep={self.ep} must divide world_size/pp = {self.world_size // self.pp}")
         sp = self.sequence_parallel and self.tp > 1
         if self.ep > 1 and self.tp > 1 and not sp:
             raise ValueError(f"parallel.ep={self.ep} with parallel.tp={self.tp} needs "
                              "parallel.sequence_parallel=true")
+        if self.cp > 1:
+            from parallel.context_parallel import check_context_parallel
+
+            check_context_parallel(self.cp, self.tp, sp, self.seq_len)
         if sp and self.seq_len % self.tp:
             raise ValueError(f"data.seq_len={self.seq_len} must be a multiple of parallel.tp={self.tp} under "
                              "sequence parallelism")
@@ -260,21 +304,46 @@ class PlanConfig:
         return self.world_size // (self.pp * self.ep)
 
     @property
+    def dp_cp(self) -> int:
+        """The dense gradient / ZeRO-1 / QB group: dp x cp (ParallelState.dp_cp_group)."""
+        return self.dp * self.cp
+
+    @property
+    def local_tokens(self) -> float:
+        """Tokens of one micro-batch on a rank outside TP regions' SP split: mbs x seq_len / cp."""
+        return self.micro_batch_size * self.seq_len / self.cp
+
+    @property
     def expert_dp(self) -> int:
-        """The ZeRO-1 / gradient group of the routed experts: edp under EP; without EP the trainer
-        keeps them on the dense dp group (every TP rank holds all experts)."""
-        return self.edp if self.ep > 1 else self.dp
+        """The ZeRO-1 / gradient group of the routed experts: edp under EP (spans cp); without EP the
+        trainer keeps them on the dense dp x cp group (every TP rank holds all experts)."""
+        return self.edp if self.ep > 1 else self.dp_cp
 
     @property
     def micro_batches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
 
+_VALID: Dict[tuple, Optional[str]] = {}
+
+
 def check_model(cfg: ModelConfig, pc: PlanConfig) -> None:
     """The divisibility the layout needs (as parallel/grid.validate_layout) and a stage partition."""
     from parallel.grid import Layout, validate_layout
 
-    validate_layout(Layout(world_size=pc.world_size, tp=pc.tp, dp=pc.dp, pp=pc.pp, ep=pc.ep), cfg)
+    key = (_key(cfg), pc.world_size, pc.tp, pc.cp, pc.dp, pc.pp, pc.ep)
+    if key not in _VALID:  # (a search asks for the same layout once per micro-batch size)
+        try:
+            validate_layout(Layout(world_size=pc.world_size, tp=pc.tp, cp=pc.cp, dp=pc.dp, pp=pc.pp, ep=pc.ep), cfg)
+            _VALID[key] = None
+        except ValueError as e:
+            _VALID[key] = str(e)
+    if _VALID[key] is not None:
+        raise ValueError(_VALID[key])
+    if pc.cp > 1:
+        from parallel.context_parallel import check_context_parallel
+
+        check_context_parallel(pc.cp, pc.tp, pc.sequence_parallel, pc.seq_len, cfg)
     if pc.ep > 1 and pc.moonep:
         from moonep.config import MoonEPConfig
 
@@ -475,15 +544,15 @@ def _param_memory(cfg: ModelConfig, pc: PlanConfig, layers, first: bool, last: b
                 owners = pc.edp
                 expert += n_loc
             elif is_exp:
-                n_loc, owners = n, pc.dp
+                n_loc, owners = n, pc.dp_cp
                 expert += n_loc
             else:
                 n_loc = n / pc.tp if tp_sh else n
-                owners = pc.dp
+                owners = pc.dp_cp
                 dense += n_loc
             local += n_loc
             state += n_loc / owners * (4 if opt == "muon" else 8)
-    main = 0.0 if pc.param_dtype == "fp32" else 4 * (dense / pc.dp + expert / pc.expert_dp)
+    main = 0.0 if pc.param_dtype == "fp32" else 4 * (dense / pc.dp_cp + expert / pc.expert_dp)
     return {"params": local * pbytes, "grads": local * pbytes, "main_params": main, "optimizer_state": state,
             "local_params": local, "local_dense": dense, "local_expert": expert}
 
@@ -525,10 +594,11 @@ def per_rank_figures(cfg: ModelConfig, pc: PlanConfig, stage="first", rank_in_st
 
     stage: the pipeline rank: an int, 'first' | 'middle' (pp // 2) | 'last', or a coordinates dict
         as parallel.grid.Layout.coords(rank) returns it ({"pp", "tp", "dp", "ep", "edp", ...};
-        rank_in_stage is then ignored).
+        rank_in_stage is then ignored; under CP its "dp-cp" entry is the dense ZeRO-1 rank).
     rank_in_stage: the rank's index among the world_size / pp ranks of its stage (default 0: the
         saver of every shard it holds). With the default order tp-cp-ep-dp-pp: tp_rank = r % tp,
-        dp_rank = r // tp, ep_rank = r % ep, edp_rank = r // ep.
+        dp_rank = r // tp (the rank in the dp x cp group: dense params are owned and saved over
+        dp x cp), ep_rank = r % ep, edp_rank = r // ep.
 
     Returns (counts are elements, *_bytes are bytes; dtypes as the trainer keeps them):
       stage, layers           pipeline rank and its layer ranges [[start, stop], ...]
@@ -553,7 +623,8 @@ def per_rank_figures(cfg: ModelConfig, pc: PlanConfig, stage="first", rank_in_st
     per_stage = pc.world_size // pc.pp
     if isinstance(stage, dict):
         s = _stage_index(int(stage.get("pp", 0)), pc.pp)
-        tp_rank, dp_rank = int(stage.get("tp", 0)), int(stage.get("dp", 0))
+        tp_rank = int(stage.get("tp", 0))
+        dp_rank = int(stage.get("dp-cp", stage.get("dp", 0))) if pc.cp > 1 else int(stage.get("dp", 0))
         ep_rank, edp_rank = int(stage.get("ep", 0)), int(stage.get("edp", 0))
     else:
         s = _stage_index(stage, pc.pp)
@@ -573,7 +644,7 @@ def per_rank_figures(cfg: ModelConfig, pc: PlanConfig, stage="first", rank_in_st
             expert.append((n // pc.ep, opt))
         else:
             dense.append((n // pc.tp if tp_sh and pc.tp > 1 else n, opt))
-    groups = [(dense, pc.dp, dp_rank), (expert, pc.edp, edp_rank)] if ep_on else [(dense, pc.dp, dp_rank)]
+    groups = [(dense, pc.dp_cp, dp_rank), (expert, pc.edp, edp_rank)] if ep_on else [(dense, pc.dp_cp, dp_rank)]
     owned = {"muon": 0, "adamw": 0}
     for items, world, rank in groups:
         for (n, opt), o in zip(items, _owners([n for n, _ in items], world)):
@@ -632,18 +703,19 @@ def qb_figures(cfg: ModelConfig, pc: PlanConfig, n_moe: int) -> dict:
     E = cfg.moe.num_experts
     t_group = pc.global_batch_size * pc.seq_len
     tp_group = pc.tp if pc.sequence_parallel else 1
-    t_rank = t_group / (pc.dp * tp_group)
+    dp = pc.dp_cp  # reduced over dp x cp (ParallelPlan.token_groups)
+    t_rank = t_group / (dp * tp_group)
     if out["method"] == "histogram":
         bins = pc.qb_bins or getattr(cfg.moe, "qb_bins", 4096) or 4096
         size = E * bins * 8 + 8
         out.update(bins=bins, persistent=n_moe * size)
         out["comm_tp"] = n_moe * 2 * _ring(tp_group) * size
-        out["comm_dp"] = n_moe * 2 * _ring(pc.dp) * size
+        out["comm_dp"] = n_moe * 2 * _ring(dp) * size
     else:
         out.update(persistent=n_moe * t_rank * E * 4.0,
-                   transient=2.0 * t_group * E * 4 if tp_group * pc.dp > 1 else t_rank * E * 4.0)
+                   transient=2.0 * t_group * E * 4 if tp_group * dp > 1 else t_rank * E * 4.0)
         out["comm_tp"] = n_moe * (tp_group - 1) * t_rank * E * 4.0
-        out["comm_dp"] = n_moe * (pc.dp - 1) * tp_group * t_rank * E * 4.0
+        out["comm_dp"] = n_moe * (dp - 1) * tp_group * t_rank * E * 4.0
     out["comm"] = out["comm_tp"] + out["comm_dp"]
     return out
 
@@ -701,22 +773,72 @@ def _bytes(kind, feats, precision) -> float:
 _LAYER_ACTS: Dict[tuple, dict] = {}
 
 
+def cp_layer_figures(cfg: ModelConfig, pc: PlanConfig, kind: str) -> dict:
+    """What context parallelism adds to one ``kind`` ('kda' | 'mla') layer for one micro-batch on the
+    worst CP rank (module docstring, "Context parallelism"): saved bytes beyond the coefficients'
+    local activations, and the bytes the rank sends per pass. All zero at cp = 1.
+
+    Returns: saved (bytes), kda_states (the chunk states incl. the identity block, KDA), summaries
+    (own + gathered, KDA), prefix_keys (keys of the worst rank's prefix per row, MLA),
+    prefix_bytes_per_key (MLA), sent_fwd / sent_bwd (bytes sent in one forward / one backward),
+    and their parts: scan_fwd, scan_bwd, halo_fwd, halo_bwd (KDA), latent_fwd, latent_bwd (MLA).
+    """
+    out = dict.fromkeys(("saved", "kda_states", "summaries", "prefix_keys", "prefix_bytes_per_key", "sent_fwd",
+                         "sent_bwd", "scan_fwd", "scan_bwd", "halo_fwd", "halo_bwd", "latent_fwd",
+                         "latent_bwd"), 0.0)
+    cp = pc.cp
+    if cp == 1:
+        return out
+    a = 2 if pc.precision == "bf16" else 4
+    B, T = pc.micro_batch_size, pc.seq_len
+    t = B * T / cp                                       # local tokens of the micro-batch
+    if kind == "kda":
+        k = cfg.kda
+        H, K, V, C = k.num_heads / pc.tp, k.head_dim, k.head_dim, k.chunk_size
+        chunks = B * math.ceil(T / cp / C)
+        feats = module_features(cfg, "kda", tokens_per_seq=T // cp, tp=pc.tp)
+        states_term = _coef("kda", pc.precision).get("HKK_C", 0.0) * feats["HKK_C"] * t
+        summary = B * H * K * (K + V) * 4
+        out["kda_states"] = chunks * H * K * (K + V) * 4
+        out["summaries"] = (cp + 1) * summary
+        # the identity block's states (K more value columns), the zero value block and u ([t, H, K] fp32)
+        out["saved"] = states_term * K / V + 2 * t * H * K * 4 + out["summaries"]
+        out["scan_fwd"] = out["scan_bwd"] = (cp - 1) * summary
+        out["halo_fwd"] = out["halo_bwd"] = (k.conv_kernel - 1) * B * H * (2 * K + V) * a
+        out["sent_fwd"] = out["scan_fwd"] + out["halo_fwd"]
+        out["sent_bwd"] = out["scan_bwd"] + out["halo_bwd"]
+    elif kind == "mla":
+        m = cfg.mla
+        H, L = m.num_heads / pc.tp, m.kv_lora_rank + m.qk_rope_head_dim
+        per_key = L * a + m.kv_lora_rank * a + 4 + H * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * 4 + 8
+        out["prefix_keys"] = B * T                       # the last CP rank attends to every earlier token
+        out["prefix_bytes_per_key"] = per_key
+        out["saved"] = per_key * B * T
+        out["latent_fwd"] = out["latent_bwd"] = (cp - 1) * t * L * a
+        out["sent_fwd"], out["sent_bwd"] = out["latent_fwd"], out["latent_bwd"]
+    return out
+
+
 def layer_activations(cfg: ModelConfig, pc: PlanConfig, i: int) -> dict:
     """Saved bytes of decoder layer i for one micro-batch on one rank, by part."""
-    key = (_key(cfg), pc.micro_batch_size, pc.seq_len, pc.tp, pc.sequence_parallel, pc.precision, i)
+    key = (_key(cfg), pc.micro_batch_size, pc.seq_len, pc.tp, pc.sequence_parallel, pc.precision, pc.cp, i)
     if key not in _LAYER_ACTS:
         _LAYER_ACTS[key] = _layer_activations(cfg, pc, i)
     return _LAYER_ACTS[key]
 
 
 def _layer_activations(cfg: ModelConfig, pc: PlanConfig, i: int) -> dict:
-    t = pc.micro_batch_size * pc.seq_len
+    t = pc.local_tokens if pc.cp > 1 else pc.micro_batch_size * pc.seq_len
     t_sp = t / pc.tp if pc.sequence_parallel else t
     T, tp, prec = pc.seq_len, pc.tp, pc.precision
     kind = cfg.layer_kinds()[i]
     bs = cfg.attn_res_block_size
     ctx = dict(tokens_per_seq=T, tp=tp)
-    attn = _bytes(kind, module_features(cfg, kind, **ctx), prec) * t
+    feats = module_features(cfg, kind, **ctx)
+    cpf = cp_layer_figures(cfg, pc, kind)
+    if pc.cp > 1 and "HT" in feats:
+        feats["HT"] = 0.0   # under CP MLA runs the chunked attention: no T^2 term; prefix keys below
+    attn = _bytes(kind, feats, prec) * t + cpf["saved"]
     mlp_kind = "moe" if cfg.is_moe_layer(i) else "dense"
     if mlp_kind == "moe":
         mlp = _bytes("moe", module_features(cfg, "moe", sequence_parallel=pc.sequence_parallel, **ctx), prec) * t_sp
@@ -732,12 +854,14 @@ def _layer_activations(cfg: ModelConfig, pc: PlanConfig, i: int) -> dict:
     if kind == "kda":
         k = cfg.kda
         kda_states = pc.micro_batch_size * math.ceil(T / k.chunk_size) * (k.num_heads / tp) * k.head_dim ** 2 * 4
+        if pc.cp > 1:
+            kda_states = cpf["kda_states"]
     return {"attention": attn, "mlp": mlp, "attn_res": res, "norms": norms, "kda_states": kda_states,
-            "kind": kind, "mlp_kind": mlp_kind, "total": attn + mlp + res + norms}
+            "cp_saved": cpf["saved"], "kind": kind, "mlp_kind": mlp_kind, "total": attn + mlp + res + norms}
 
 
 def head_activations(cfg: ModelConfig, pc: PlanConfig) -> float:
-    t = pc.micro_batch_size * pc.seq_len
+    t = pc.local_tokens if pc.cp > 1 else pc.micro_batch_size * pc.seq_len
     t_sp = t / pc.tp if pc.sequence_parallel else t
     n_blocks = math.ceil(cfg.num_layers / cfg.attn_res_block_size)
     f = module_features(cfg, "head", tokens_per_seq=pc.seq_len, tp=pc.tp, sources=n_blocks + 1)
@@ -752,7 +876,7 @@ def stage_memory(cfg: ModelConfig, pc: PlanConfig, stage: int) -> dict:
     mem = _param_memory(cfg, pc, layers, first, last)
     m_count = pc.micro_batches
     in_flight = _in_flight(pc, stage, m_count)
-    t = pc.micro_batch_size * pc.seq_len
+    t = pc.local_tokens if pc.cp > 1 else pc.micro_batch_size * pc.seq_len
     t_sp = t / pc.tp if pc.sequence_parallel else t
     a = 2 if pc.precision == "bf16" else 4
     per_layer = [layer_activations(cfg, pc, i) for i in layers]
@@ -778,11 +902,12 @@ def stage_memory(cfg: ModelConfig, pc: PlanConfig, stage: int) -> dict:
         moonep = 4 * t_sp * cfg.moe.top_k * cfg.moe.latent_size * a
     qb = qb_figures(cfg, pc, n_moe)
     replicas = moonep_replica_figures(cfg, pc, n_moe, in_flight)
-    comm = 2 * pc.bucket_bytes if pc.dp > 1 or pc.expert_dp > 1 else 0.0
+    comm = 2 * pc.bucket_bytes if pc.dp_cp > 1 or pc.expert_dp > 1 else 0.0
     # bf16 autocast over fp32 weights caches a bf16 copy of every weight it uses during a forward
     autocast_copies = 2 * mem["local_params"] if pc.precision == "bf16" and pc.param_dtype == "fp32" else 0.0
     transient = max(biggest, head)
     kda_states = sum(la["kda_states"] for la in per_layer) * (1 if pc.activation_checkpointing else in_flight)
+    cp_saved = {k: sum(la["cp_saved"] for la in per_layer if la["kind"] == k) for k in ("kda", "mla")}
     # gradients are released after every step (zero_grad(set_to_none)): with one micro-batch per step
     # they grow during backward while the activations shrink, so the peak is the larger of the two
     # ends; with gradient accumulation (or a pipeline) they are live while activations are
@@ -797,7 +922,7 @@ def stage_memory(cfg: ModelConfig, pc: PlanConfig, stage: int) -> dict:
             "params": mem["params"], "grads": mem["grads"], "main_params": mem["main_params"],
             "optimizer_state": mem["optimizer_state"], "activations": acts,
             "activations_by_kind_per_micro_batch": by_kind, "activations_no_checkpointing": full * in_flight + head,
-            "kda_states": kda_states, "moonep_buffers": moonep, "moonep_replica_buffers": replicas["memory"],
+            "kda_states": kda_states, "cp_saved_per_micro_batch": cp_saved, "moonep_buffers": moonep, "moonep_replica_buffers": replicas["memory"],
             "moonep_replica_slots": replicas["slots"], "comm_buffers": comm,
             "qb_stats": qb["persistent"], "qb_transient": qb["transient"], "qb_method": qb["method"],
             "backward_transient": transient, "autocast_weight_copies": autocast_copies, "total": total,
@@ -900,7 +1025,7 @@ def comm_per_step(cfg: ModelConfig, pc: PlanConfig, stage: int) -> dict:
     layers = _stage_layer_list(cfg, pc, stage)
     first, last = stage == 0, stage == pc.pp - 1
     n_layers, n_moe = len(layers), _n_moe(cfg, layers)
-    t = pc.micro_batch_size * pc.seq_len
+    t = pc.local_tokens if pc.cp > 1 else pc.micro_batch_size * pc.seq_len
     t_sp = t / pc.tp if pc.sequence_parallel else t
     d = cfg.hidden_size
     # forward + backward, + the forward again when activation checkpointing recomputes the layer
@@ -918,13 +1043,22 @@ def comm_per_step(cfg: ModelConfig, pc: PlanConfig, stage: int) -> dict:
     ep = 2 * passes * n_moe * t_sp * cfg.moe.top_k * cfg.moe.latent_size * a * _ring(pc.ep) * m_count
     ep_replicas_max = passes * m_count * n_moe * moonep_replica_figures(cfg, pc, n_moe)["fetch_bytes_per_layer_pass"]
     mem = _param_memory(cfg, pc, layers, first, last)
-    dp_dense = mem["local_dense"] * (4 + pbytes) * _ring(pc.dp)
+    dp_dense = mem["local_dense"] * (4 + pbytes) * _ring(pc.dp_cp)
     dp_expert = mem["local_expert"] * (4 + pbytes) * _ring(pc.expert_dp)
     n_blocks = math.ceil(cfg.num_layers / cfg.attn_res_block_size)
     pp = (2 * m_count * pc.vp * (n_blocks + 1) * t_sp * d * a) if pc.pp > 1 else 0.0
     qb = qb_figures(cfg, pc, n_moe)
+    # context parallelism: per layer the forward collectives (again in the recompute forward) + the backward's
+    cp_kind = {"kda": 0.0, "mla": 0.0}
+    if pc.cp > 1:
+        kinds = cfg.layer_kinds()
+        for kind in cp_kind:
+            f = cp_layer_figures(cfg, pc, kind)
+            n = sum(1 for i in layers if kinds[i] == kind)
+            cp_kind[kind] = n * m_count * ((passes - 1) * f["sent_fwd"] + f["sent_bwd"])
     return {"tp": tp, "tp_grad_sync": tp_sync, "ep": ep, "ep_replicas_max": ep_replicas_max, "dp": dp_dense + dp_expert,
-            "pp": pp, "qb": qb["comm"],
+            "pp": pp, "qb": qb["comm"], "cp": cp_kind["kda"] + cp_kind["mla"],
+            "cp_kda": cp_kind["kda"], "cp_mla": cp_kind["mla"],
             "dp_dense": dp_dense, "dp_expert": dp_expert, "qb_tp": qb["comm_tp"], "qb_dp": qb["comm_dp"],
             "micro_batches": m_count, "stage": stage}
 
@@ -963,6 +1097,10 @@ def stage_time(cfg: ModelConfig, pc: PlanConfig, hw, stage: int, comm: dict, bub
     layers = _stage_layer_list(cfg, pc, stage)
     fwd_layers = sum(per[i] for i in layers)
     fwd_head = head if stage == pc.pp - 1 else 0.0
+    if pc.cp > 1:  # contiguous placement: the last CP rank does (2cp - 1) / cp x the average MLA score work
+        kinds = cfg.layer_kinds()
+        n_mla = sum(1 for i in layers if kinds[i] == "mla")
+        fwd_layers += n_mla * _mla_scores(cfg, pc.seq_len) * ((2 * pc.cp - 1) / pc.cp - 1)
     train = 3.0 * (fwd_layers + fwd_head) + (fwd_layers if pc.activation_checkpointing else 0.0)
     tokens_step = pc.global_batch_size * pc.seq_len
     compute = train * tokens_step / (pc.world_size // pc.pp) / (hw.peak_flops(pc.precision) * hw.mfu)
@@ -971,19 +1109,23 @@ def stage_time(cfg: ModelConfig, pc: PlanConfig, hw, stage: int, comm: dict, bub
     t_tp = comm["tp"] / _link(pc.tp, hw)
     t_sync = comm["tp_grad_sync"] / _link(pc.tp, hw)
     t_ep = comm["ep"] / _link(pc.ep, hw)
-    expert_span = pc.ep * pc.edp if pc.ep > 1 else pc.tp * pc.dp
-    t_dp = (comm["dp_dense"] / _link(pc.tp * pc.dp, hw) + comm["dp_expert"] / _link(expert_span, hw)) \
+    t_cp = comm["cp"] / _link(pc.tp * pc.cp, hw) if pc.cp > 1 else 0.0
+    expert_span = pc.ep * pc.edp if pc.ep > 1 else pc.tp * pc.dp_cp
+    t_dp = (comm["dp_dense"] / _link(pc.tp * pc.dp_cp, hw) + comm["dp_expert"] / _link(expert_span, hw)) \
         * (1 - pc.dp_overlap)
-    t_qb = comm["qb_tp"] / _link(pc.tp, hw) + comm["qb_dp"] / _link(pc.tp * pc.dp, hw)
+    t_qb = comm["qb_tp"] / _link(pc.tp, hw) + comm["qb_dp"] / _link(pc.tp * pc.dp_cp, hw)
     t_pp = comm["pp"] / _link(pc.world_size, hw) if pc.pp > 1 else 0.0
-    step = (compute + t_tp + t_ep + t_pp) * bubble + t_sync + t_dp + t_qb
-    return {"stage": stage, "compute_s": compute, "tp_s": t_tp, "ep_s": t_ep, "pp_s": t_pp, "bubble": bubble,
+    step = (compute + t_tp + t_ep + t_cp + t_pp) * bubble + t_sync + t_dp + t_qb
+    return {"stage": stage, "compute_s": compute, "tp_s": t_tp, "ep_s": t_ep, "cp_s": t_cp, "pp_s": t_pp,
+            "bubble": bubble,
             "tp_grad_sync_s": t_sync, "dp_exposed_s": t_dp, "qb_s": t_qb, "step_s": step}
 
 
 def trainer_overrides(pc: PlanConfig, split: bool = False) -> str:
     """The trainer's command-line overrides for this layout and batch."""
     out = [f"parallel.tp={pc.tp}", f"parallel.pp={pc.pp}", f"parallel.ep={pc.ep}"]
+    if pc.cp > 1:
+        out.append(f"parallel.cp={pc.cp}")
     if pc.tp > 1:
         out.append(f"parallel.sequence_parallel={str(pc.sequence_parallel).lower()}")
     if pc.pp > 1 and pc.pp_schedule != "1f1b":
@@ -1019,7 +1161,8 @@ def make_plan(cfg: ModelConfig, pc: PlanConfig, hw) -> dict:
     usable = hw.memory_bytes * hw.usable_memory_fraction
     split = pc.pp > 1 and split_blocks(cfg, pc)
     return {
-        "layout": {"tp": pc.tp, "pp": pc.pp, "ep": pc.ep, "dp": pc.dp, "edp": pc.edp, "world_size": pc.world_size,
+        "layout": {"tp": pc.tp, "pp": pc.pp, "ep": pc.ep, "cp": pc.cp, "dp": pc.dp, "edp": pc.edp,
+                   "world_size": pc.world_size,
                    "sequence_parallel": pc.sequence_parallel, "micro_batch_size": pc.micro_batch_size,
                    "seq_len": pc.seq_len, "global_batch_size": pc.global_batch_size,
                    "global_batch_default": pc.global_batch_default, "tokens_per_step": tokens_step,
@@ -1030,7 +1173,9 @@ def make_plan(cfg: ModelConfig, pc: PlanConfig, hw) -> dict:
         "hardware": hw.name,
         "memory": worst, "stages": stages,
         "flops_per_token": fl,
-        "comm_bytes_per_step": {k: comm[k] for k in ("tp", "tp_grad_sync", "ep", "ep_replicas_max", "dp", "pp", "qb")},
+        "comm_bytes_per_step": {k: comm[k] for k in ("tp", "tp_grad_sync", "ep", "ep_replicas_max", "cp", "dp", "pp",
+                                                     "qb")},
+        "cp_comm_bytes_per_step": {"kda": comm["cp_kda"], "mla": comm["cp_mla"]},
         "comm_stage": slow,
         "time": t, "stage_step_s": [x["step_s"] for x in times],
         "fits": worst["total"] <= usable, "usable_memory": usable,
@@ -1045,28 +1190,70 @@ def _divisors(n: int) -> List[int]:
 _SEARCHES: Dict[tuple, list] = {}
 
 
+def _weights_fit(cfg: ModelConfig, pc: PlanConfig, hw) -> bool:
+    """False when some stage's params + grads + main copies + optimizer state alone (parts of every
+    plan's total that do not depend on the micro-batch) exceed the usable memory: search() skips the
+    layout without planning each micro-batch size. True when the layout is invalid (make_plan says why)."""
+    try:
+        pc = pc.resolved()
+        check_model(cfg, pc)
+    except ValueError:
+        return True
+    usable = hw.memory_bytes * hw.usable_memory_fraction
+    for s in range(pc.pp):
+        mem = _param_memory(cfg, pc, _stage_layer_list(cfg, pc, s), s == 0, s == pc.pp - 1)
+        if mem["params"] + mem["grads"] + mem["main_params"] + mem["optimizer_state"] > usable:
+            return False
+    return True
+
+
+CP_MIN_LOCAL_TOKENS = 4096
+"""search(): context-parallel degrees tried leave every CP rank at least this many tokens of a row"""
+
+
+def cp_degrees(seq_len: int, tp: int, world_size: int, min_local: int = CP_MIN_LOCAL_TOKENS) -> List[int]:
+    """The cp search() tries with a given tp: 1, 2, 4, ... while seq_len / cp >= min_local, seq_len
+    divides by cp x tp (SP) and tp x cp divides world_size. cp = 1 only for seq_len < 2 x min_local."""
+    out, cp = [], 1
+    while seq_len // cp >= min_local or cp == 1:
+        if seq_len % (cp * tp) == 0 and world_size % (tp * cp) == 0:
+            out.append(cp)
+        elif cp == 1:
+            out.append(1)
+        cp *= 2
+    return out
+
+
 def search(cfg: ModelConfig, world_size: int, hw, top: int = 3, base: Optional[PlanConfig] = None) -> List[dict]:
-    """The `top` fitting layouts by estimated tokens/s over tp (<= one node), pp, ep and micro-batch
-    size, each at the global batch of ``base`` (default_global_batch() when it gives none: the same
-    rule as make_plan, so a plain plan of the winner reproduces its numbers)."""
+    """The `top` fitting layouts by estimated tokens/s over tp (<= one node), cp (cp_degrees: powers of
+    two leaving >= CP_MIN_LOCAL_TOKENS per rank), pp, ep and micro-batch size, each at the global
+    batch of ``base`` (default_global_batch() when it gives none: the same rule as make_plan, so a
+    plain plan of the winner reproduces its numbers)."""
     base = base or PlanConfig()
     key = (_key(cfg), world_size, repr(hw), top, repr(base))
     if key in _SEARCHES:
         return list(_SEARCHES[key])
     found = []
     for tp in [d for d in _divisors(world_size) if d <= hw.gpus_per_node]:
-        for pp in [d for d in _divisors(world_size // tp) if d <= cfg.num_layers]:
-            for ep in _divisors(world_size // pp):
-                if cfg.moe.num_experts % ep or (ep > 1 and ep < tp):
-                    continue
-                for mbs in (1, 2, 4):
-                    pc = replace(base, tp=tp, pp=pp, ep=ep, dp=0, world_size=world_size, micro_batch_size=mbs)
-                    try:
-                        p = make_plan(cfg, pc, hw)
-                    except ValueError:
+        for cp in cp_degrees(base.seq_len, tp, world_size):
+            if world_size % (tp * cp):
+                continue
+            for pp in [d for d in _divisors(world_size // (tp * cp)) if d <= cfg.num_layers]:
+                for ep in _divisors(world_size // pp):
+                    if cfg.moe.num_experts % ep or (ep > 1 and ep < tp):
                         continue
-                    if p["fits"]:
-                        found.append(p)
+                    if not _weights_fit(cfg, replace(base, tp=tp, cp=cp, pp=pp, ep=ep, dp=0, world_size=world_size,
+                                                     micro_batch_size=1), hw):
+                        continue
+                    for mbs in (1, 2, 4):
+                        pc = replace(base, tp=tp, cp=cp, pp=pp, ep=ep, dp=0, world_size=world_size,
+                                     micro_batch_size=mbs)
+                        try:
+                            p = make_plan(cfg, pc, hw)
+                        except ValueError:
+                            continue
+                        if p["fits"]:
+                            found.append(p)
     found.sort(key=lambda p: -p["time"]["tokens_per_s"])
     _SEARCHES[key] = found[:top]
     return list(found[:top])

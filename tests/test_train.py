@@ -146,11 +146,13 @@ def test_nonfinite_steps_are_skipped_counted_and_never_saved(corpus_dataset, tmp
     from megak3.train.shard_store import CheckpointReader
     from megak3.train.trainer import NonFiniteError
 
-    job = make_job(corpus_dataset, tmp_path, optim_lr=1e6, max_steps=8, save_interval=1, max_nonfinite_steps=2)
+    job = make_job(corpus_dataset, tmp_path, optim_lr=1e6, max_steps=8, save_interval=1, max_nonfinite_steps=2,
+                   eval_batches=0)  # eval_batches=0: no validation pass at all (also checked here)
     job.optim.warmup_steps = 0
     tr = Trainer(job, tmp_path)
     with pytest.raises(NonFiniteError, match=r"^step \d+: the loss / gradient norm is NaN or inf \(3 such step"):
         tr.fit()
+    assert tr.first_val is None and not (tmp_path / "metrics.jsonl").read_text().count('"eval"')
     assert tr.nonfinite_steps == 3
     assert all(torch.isfinite(p).all() for p in tr.model.parameters())  # skipped steps changed nothing
     train = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"train"' in l]

@@ -84,8 +84,11 @@ def run(cfg: DictConfig) -> dict:
     finally:
         destroy_parallel()
     if rank == 0:
-        print(f"validation loss: {result['first_val_loss']:.4f} at the start -> "
-              f"{result['final_val_loss']:.4f} after {result['steps']} steps")
+        if result["first_val_loss"] is not None:
+            print(f"validation loss: {result['first_val_loss']:.4f} at the start -> "
+                  f"{result['final_val_loss']:.4f} after {result['steps']} steps")
+        else:
+            print(f"trained {result['steps']} steps (validation off: train.eval_batches=0)")
         print(f"run directory: {os.path.abspath(run_dir)}  (metrics.jsonl, checkpoints/, wandb/)")
     return result
 

@@ -40,7 +40,7 @@ class TrainConfig:
     eval_interval: int = 100
     """steps between validation runs (0: only at start and end)"""
     eval_batches: int = 8
-    """micro-batches per validation run"""
+    """micro-batches per validation run (0: no validation at all)"""
     save_interval: int = 100
     """steps between checkpoints (0: only at the end)"""
     keep_last: int = 2

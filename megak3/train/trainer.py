@@ -372,7 +372,7 @@ class Trainer:
         batches = iter(Batcher(self._valid_packed, self.job.train.micro_batch_size, self.ps.dp_rank,
                                self.ps.dp_size))
         acc = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for _ in range(max(1, self.job.train.eval_batches)):
+        for _ in range(self.job.train.eval_batches):
             b = self.rank_step.to_device(next(batches))
             with self.rank_step.autocast():
                 if self.engine is not None:
@@ -401,8 +401,10 @@ class Trainer:
             logger.write(line)
         if resumed is not None:
             logger.write(f"resumed from {resumed} at step {self.step}")
-        self.first_val = self.final_val = self.evaluate()
-        logger.log_eval(self.step, {"val_loss": self.first_val})
+        self.first_val = self.final_val = None
+        if t.eval_batches:
+            self.first_val = self.final_val = self.evaluate()
+            logger.log_eval(self.step, {"val_loss": self.first_val})
         self.last_metrics = {}
         clock = Throughput()
         # SIGTERM / SIGUSR1 (SLURM preemption, time limit): checkpoint at the next step, exit 75
@@ -450,7 +452,7 @@ class Trainer:
             window_tokens += rec.pop("tokens")
             window_steps += 1
             boundary = self.step == t.max_steps
-            eval_now = (t.eval_interval and self.step % t.eval_interval == 0) or boundary
+            eval_now = t.eval_batches > 0 and ((t.eval_interval and self.step % t.eval_interval == 0) or boundary)
             saved = (t.save_interval and self.step % t.save_interval == 0) or boundary
             if self.step % job.logging.log_interval == 0 or eval_now or saved or boundary:
                 self._log_window(logger, gpu, clock, window_tokens, window_steps)

@@ -5,11 +5,14 @@ cp = 1 and cp = 4, and the context-parallel bytes per layer against the all-to-a
                                                    # 64K step takes ~8 min; --T 4096 16384 for ~3 min)
     python tools/bench_long_context.py --quick     # T = 1K, 4K; cp = 1, 4 (~1 min)
     python tools/bench_long_context.py --T 4096 16384 --cp 1 2 4
+    python tools/bench_long_context.py --T 4096 16384 --cp 1 --recompute none full selective
 
 Every (T, cp) runs in fresh processes (gloo ranks, one thread each): build the production RankStep
 (megak3/train/step.py) of k3_tiny (text only, fp32, model.max_seq_len raised to T), one packed row of
 T tokens whose documents cross the CP boundaries, then ONE real training step (forward, backward,
-ZeRO-1 reduce, clip, Muon/AdamW, QB update), with activation recompute by default (--no-recompute). Reported per rank, max over ranks:
+ZeRO-1 reduce, clip, Muon/AdamW, QB update), with train.recompute=full by default (--recompute
+none full selective compares the policies of megak3/model/recompute.py; --no-recompute = --recompute
+none). Reported per rank, max over ranks:
 
   peak      VmHWM after the step (megak3.metrics.telemetry.peak_rss_bytes), the high-water mark
             restarted just before the step (reset_peak_rss), so it is the step's peak with the
@@ -17,6 +20,9 @@ ZeRO-1 reduce, clip, Muon/AdamW, QB update), with activation recompute by defaul
   step      peak - RSS before the step: what the step itself needs (activations, gradients,
             optimizer state created on the first step). mem(4T)/mem(T) of this column is ~4 when
             memory is linear in T and ~16 when it is quadratic;
+  held      (--recompute given) bytes malloc holds after a forward of the same batch, before its
+            backward: the activations the policy keeps (glibc mallinfo2; one extra forward+backward
+            before the step, which also warms the step up);
   time      wall time of the step (the slowest rank), and CPU time of the slowest rank (with cp ranks
             sharing this machine's cores the wall time over-states the critical path).
 
@@ -87,7 +93,48 @@ def _layer_bytes(rs, b):
     return out
 
 
-def _step_rank(rank, world, T, cp, recompute):
+def malloc_in_use():
+    """glibc malloc's bytes in use (arenas + mmapped chunks), None off glibc."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+
+    class MI2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in
+                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+    fn.restype = MI2
+    m = fn()
+    return m.uordblks + m.hblkhd
+
+
+def _held_bytes(rs, b):
+    """Bytes a forward of batch ``b`` leaves allocated for its backward (then runs the backward)."""
+    import gc
+
+    model = rs.model
+    gc.collect()
+    m0 = malloc_in_use()
+    out = model(b["input_ids"], labels=b["labels"], cu_seqlens=b["cu_seqlens"])
+    gc.collect()
+    m1 = malloc_in_use()
+    out.loss.backward()
+    model.zero_grad(set_to_none=True)
+    del out
+    gc.collect()
+    try:  # hand the freed heap back so the step's peak / step memory below start from a clean RSS
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return None if m0 is None else m1 - m0
+
+
+def _step_rank(rank, world, T, cp, recompute, measure_held=False):
     from megak3.data.config import DataConfig
     from megak3.optim import OptimConfig
     from megak3.train.config import JobConfig, TrainConfig
@@ -99,11 +146,12 @@ def _step_rank(rank, world, T, cp, recompute):
     job = JobConfig(model=load_model_config("k3_tiny", **model_overrides(T)), data=DataConfig(seq_len=T),
                     optim=OptimConfig(lr=1e-3, warmup_steps=0, schedule="constant"),
                     train=TrainConfig(max_steps=1, global_batch_size=1, micro_batch_size=1, device="cpu",
-                                      precision="fp32", activation_checkpointing=recompute),
+                                      precision="fp32", recompute=recompute),
                     parallel=ParallelConfig(cp=cp, backend="gloo", timeout_s=1200))
     ps = init_parallel(job.parallel, model_cfg=job.model) if world > 1 else ParallelState.single()
     rs = RankStep(job, ps, "cpu", grad_accum=1)
     b = batch(T, job.model.vocab_size, cp)
+    held = _held_bytes(rs, b) if measure_held and world == 1 else None
     if world > 1:
         dist.barrier()
     rss0 = current_rss()
@@ -119,7 +167,7 @@ def _step_rank(rank, world, T, cp, recompute):
     peak = peak_rss_bytes()
     sent = _layer_bytes(rs, b) if world > 1 else {}
     return {"peak": peak, "rss0": rss0, "wall": t1 - t0, "cpu": c1 - c0, "sent": sent, "loss_sum": loss,
-            "grad_norm": float(out["grad_norm"]), "step_tokens": float(rec["step_tokens"])}
+            "grad_norm": float(out["grad_norm"]), "step_tokens": float(rec["step_tokens"]), "held": held}
 
 
 def alt_bytes(cfg, T: int, cp: int):
@@ -143,18 +191,25 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="T = 1K, 4K (about a minute)")
     ap.add_argument("--T", type=int, nargs="+", default=None, help="sequence lengths (default 4096 16384 65536)")
-    ap.add_argument("--cp", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--cp", type=int, nargs="*", default=None,
+                    help="CP sizes (default 1 4; none when --recompute is given without --cp)")
     ap.add_argument("--no-recompute", action="store_true",
-                    help="keep every activation (default: train.activation_checkpointing=true, which the 64K "
+                    help="keep every activation (= --recompute none; default: train.recompute=full, which the 64K "
                          "step needs to fit in 24 GiB: without it k3_tiny keeps ~0.75 MiB per token)")
+    ap.add_argument("--recompute", nargs="+", choices=("none", "full", "selective"), default=None,
+                    help="train.recompute policies to compare at cp=1 (each (T, policy) a fresh process): "
+                         "held activation bytes, peak and step time; the cp runs use the first policy")
     args = ap.parse_args(argv)
-    recompute = not args.no_recompute
+    modes = args.recompute or (["none"] if args.no_recompute else ["full"])
+    if args.cp is None:
+        args.cp = [] if args.recompute else [1, 4]
+    recompute = modes[0]
     Ts = args.T or ([1024, 4096] if args.quick else [4096, 16384, 65536])
     torch.set_num_threads(1)
     cfg = load_model_config("k3_tiny", **model_overrides(max(Ts)))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    print(f"k3_tiny (text), one packed row of T tokens, one training step, fp32, activation recompute "
-          f"{'on' if recompute else 'off'}, gloo ranks with 1 thread on {cores} cores; max over ranks")
+    print(f"k3_tiny (text), one packed row of T tokens, one training step, fp32, train.recompute={recompute}, "
+          f"gloo ranks with 1 thread on {cores} cores; max over ranks")
     res = {}
     for T in Ts:
         for cp in args.cp:
@@ -167,7 +222,25 @@ def main(argv=None):
                   f"wall {r['wall']:7.1f} s  cpu {r['cpu']:7.1f} s  loss {loss:.5f}  "
                   f"grad norm {out[0]['grad_norm']:.5f}  ({time.perf_counter() - t:.0f} s with start-up)",
                   flush=True)
+    rec = {}
+    if args.recompute:
+        for T in Ts:
+            for mode in modes:
+                t = time.perf_counter()
+                o = run_distributed(_step_rank, 1, T, 1, mode, True, timeout_s=3000, collective_timeout_s=3600)[0]
+                rec[T, mode] = o
+                print(f"  T={T:6d} recompute={mode:9s}: held {fmt(o['held'] or 0)}  peak {fmt(o['peak'])}  "
+                      f"step {fmt(o['peak'] - o['rss0'])}  wall {o['wall']:7.1f} s  loss "
+                      f"{o['loss_sum'] / o['step_tokens']:.7f}  grad norm {o['grad_norm']:.7f}  "
+                      f"({time.perf_counter() - t:.0f} s with start-up)", flush=True)
 
+    if res:
+        print_cp_tables(args, Ts, res, cfg)
+    if rec:
+        print_recompute_table(Ts, modes, rec)
+
+
+def print_cp_tables(args, Ts, res, cfg):
     print("\nPeak memory per rank (VmHWM) and step time")
     print(f"{'T':>7} {'cp':>3} {'peak':>11} {'step mem':>11} {'x vs T/4':>9} {'wall s':>8} {'cpu s':>8} "
           f"{'x vs T/4':>9}")
@@ -213,6 +286,25 @@ def main(argv=None):
           "token's latent to every later rank ((cp-1) x local tokens x (kv_lora_rank+rope) fp32 each way), "
           "the a2a (cp-1)/cp x local tokens x H x (2 (nope+rope) + 2 v) - at K3 size 576 vs 64 x 640 values "
           "per token per rank pair")
+
+
+
+
+def print_recompute_table(Ts, modes, rec):
+    if rec:
+        print("\nActivation recomputation (train.recompute), cp=1: bytes held after the forward for the backward "
+              "(malloc), step peak (VmHWM) and step memory, step wall time")
+        print(f"{'T':>7} {'recompute':>10} {'held':>11} {'x none':>7} {'peak':>11} {'step mem':>11} {'wall s':>8} "
+              f"{'x none':>7}")
+        for T in Ts:
+            base = rec.get((T, "none"))
+            for mode in modes:
+                o = rec[T, mode]
+                held = o["held"] or 0
+                hr = f"{held / max(base['held'] or 1, 1):7.2f}" if base else f"{'':>7}"
+                tr = f"{o['wall'] / max(base['wall'], 1e-9):7.2f}" if base else f"{'':>7}"
+                print(f"{T:7d} {mode:>10} {fmt(held):>11} {hr} {fmt(o['peak']):>11} "
+                      f"{fmt(o['peak'] - o['rss0']):>11} {o['wall']:8.1f} {tr}")
 
 
 if __name__ == "__main__":

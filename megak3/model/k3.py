@@ -7,6 +7,7 @@ the current AttnRes block's partial sum and the tuple of committed block sums.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
@@ -23,6 +24,7 @@ from .kda import KimiDeltaAttention
 from .mla import GatedMLA
 from .moe import LatentMoE, MoEStats
 from .norm import RMSNorm
+from .recompute import MODES as RECOMPUTE_MODES, segment, selective_scope
 from .seqinfo import SeqInfo, make_seq_info
 
 Blocks = Tuple[torch.Tensor, ...]
@@ -61,22 +63,32 @@ class K3DecoderLayer(nn.Module):
             self.mlp = SiTUGLUMLP(d, cfg.dense_intermediate_size, cfg.situ_beta1, cfg.situ_beta2)
 
     def forward(self, partial: torch.Tensor, blocks: Blocks, seq: SeqInfo):
-        """One decoder layer on the AttnRes depth state; returns (partial, blocks, moe_stats|None)."""
-        h = partial if not blocks else self.attn_res(partial, blocks)
-        if self.layer_idx % self.block_size == 0:  # block boundary: commit the finished block
+        """One decoder layer on the AttnRes depth state; returns (partial, blocks, moe_stats|None).
+        Under ``recompute='selective'`` each sub-block is a :func:`segment` (megak3/model/recompute.py)."""
+        new_block = self.layer_idx % self.block_size == 0
+        x = segment(self._attn_input, partial, *blocks)
+        if new_block:  # block boundary: commit the finished block
             blocks = blocks + (partial,)
             partial = None
-        x = self.input_layernorm(h)
         a = self.self_attn(x, seq)
         partial = a if partial is None else partial + a
-        x = self.post_attention_layernorm(self.mlp_res(partial, blocks))
+        x = segment(self._mlp_input, partial, *blocks)
         stats = None
         if self.is_moe:
-            f, stats = self.mlp(x.reshape(-1, x.shape[-1]))
-            f = f.view_as(x)
+            f, stats = segment(self._moe, x)
         else:
-            f = self.mlp(x)
+            f = segment(self.mlp, x)
         return partial + f, blocks, stats
+
+    def _attn_input(self, partial, *blocks):
+        return self.input_layernorm(partial if not blocks else self.attn_res(partial, blocks))
+
+    def _mlp_input(self, partial, *blocks):
+        return self.post_attention_layernorm(self.mlp_res(partial, blocks))
+
+    def _moe(self, x):
+        f, stats = self.mlp(x.reshape(-1, x.shape[-1]))
+        return f.view_as(x), stats
 
 
 class K3Model(nn.Module):
@@ -95,7 +107,8 @@ class K3Model(nn.Module):
             from .vision import VisionTower
 
             self.vision = VisionTower(cfg.vision, d, cfg.rms_norm_eps)
-        self.gradient_checkpointing = False
+        self.recompute = "none"
+        """activation recomputation while training: 'none', 'full' or 'selective' (megak3/model/recompute.py)"""
         self.has_mla = "mla" in cfg.layer_kinds()
         # Hooks a parallel layout sets from outside (parallel/parallelize.py); the model math stays
         # free of process groups. ``sequence_shard``: [B,T,D] -> this rank's token shard after the
@@ -104,6 +117,15 @@ class K3Model(nn.Module):
         self.loss_fn = token_loss_sum
         # ``context_parallel``: cuts whole rows into this rank's sequence segment (shard_inputs)
         self.context_parallel = None
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        """Whole-layer recomputation (``recompute == 'full'``); setting False means 'none'."""
+        return self.recompute == "full"
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, on: bool) -> None:
+        self.recompute = "full" if on else "none"
 
     def moe_layers(self) -> List[LatentMoE]:
         return [l.mlp for l in self.layers if l.is_moe]
@@ -134,15 +156,21 @@ class K3Model(nn.Module):
         return x
 
     def run_layers(self, layers, partial, blocks: Blocks, seq: SeqInfo):
+        mode = self.recompute
+        if mode not in RECOMPUTE_MODES:
+            raise ValueError(f"K3Model.recompute={mode!r} must be one of {', '.join(RECOMPUTE_MODES)}")
+        if not (self.training and torch.is_grad_enabled()):
+            mode = "none"
         stats: List[MoEStats] = []
-        for layer in layers:
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                partial, blocks, st = checkpoint(_call_layer, layer, partial, seq, *blocks,
-                                                 use_reentrant=False, context_fn=checkpoint_contexts)
-            else:
-                partial, blocks, st = layer(partial, blocks, seq)
-            if st is not None:
-                stats.append(st)
+        with (selective_scope() if mode == "selective" else contextlib.nullcontext()):
+            for layer in layers:
+                if mode == "full":
+                    partial, blocks, st = checkpoint(_call_layer, layer, partial, seq, *blocks,
+                                                     use_reentrant=False, context_fn=checkpoint_contexts)
+                else:
+                    partial, blocks, st = layer(partial, blocks, seq)
+                if st is not None:
+                    stats.append(st)
         return partial, blocks, stats
 
     def head(self, partial, blocks: Blocks) -> torch.Tensor:

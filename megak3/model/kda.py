@@ -14,6 +14,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops.kda import kda, kda_gate
 from .norm import RMSNorm
+from .recompute import segment
 from .seqinfo import SeqInfo
 
 
@@ -90,6 +91,13 @@ class KimiDeltaAttention(nn.Module):
                 "v_proj.weight": self.num_heads}
 
     def forward(self, x_BTD: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+        # three recompute segments under train.recompute=selective (megak3/model/recompute.py):
+        # the core's inputs, the core, its output norm/gate/projection
+        q, k, v, g, beta = segment(self._core_inputs, x_BTD, seq)
+        o = segment(self._core, q, k, v, g, beta, seq)
+        return segment(self._output, o, x_BTD)
+
+    def _core_inputs(self, x_BTD: torch.Tensor, seq: SeqInfo):
         B, T, _ = x_BTD.shape
         H, K = self.num_heads, self.head_dim
         # under context parallelism (seq.cp, set from outside by parallel/context_parallel.py) the
@@ -100,16 +108,22 @@ class KimiDeltaAttention(nn.Module):
         v = conv(self.v_conv1d, self.v_proj(x_BTD)).view(B, T, H, K)
         g = kda_gate(self.f_b_proj(self.f_a_proj(x_BTD)), self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(self.b_proj(x_BTD).float())
+        return q, k, v, g, beta
+
+    def _core(self, q, k, v, g, beta, seq: SeqInfo):
+        B, T, H, K = q.shape
         if seq.cp is not None:
-            o = seq.cp.kda(q, k, v, g, beta, chunk_size=self.chunk_size, use_fla=self.use_fla)
-        elif seq.packed:  # documents are delimited on the flattened stream; state resets per document
+            return seq.cp.kda(q, k, v, g, beta, chunk_size=self.chunk_size, use_fla=self.use_fla)
+        if seq.packed:  # documents are delimited on the flattened stream; state resets per document
             flat = lambda t: t.reshape(1, B * T, *t.shape[2:])
             o, _ = kda(flat(q), flat(k), flat(v), flat(g), flat(beta), cu_seqlens=seq.cu_seqlens,
                        chunk_size=self.chunk_size, use_fla=self.use_fla)
-            o = o.reshape(B, T, H, K)
-        else:
-            o, _ = kda(q, k, v, g, beta, chunk_size=self.chunk_size, use_fla=self.use_fla)
+            return o.reshape(B, T, H, K)
+        o, _ = kda(q, k, v, g, beta, chunk_size=self.chunk_size, use_fla=self.use_fla)
+        return o
+
+    def _output(self, o, x_BTD: torch.Tensor):
+        B, T, H, K = o.shape
         gate = torch.sigmoid(self.g_proj(x_BTD).float()).view(B, T, H, K)
         o = (self.o_norm(o.float()) * gate).to(x_BTD.dtype)
         return self.o_proj(o.reshape(B, T, H * K))
-

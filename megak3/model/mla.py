@@ -14,6 +14,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops.attention import DEFAULT_K_CHUNK, DEFAULT_Q_CHUNK, attention
 from .norm import RMSNorm
+from .recompute import segment
 from .seqinfo import SeqInfo
 
 
@@ -47,24 +48,35 @@ class GatedMLA(nn.Module):
         return {"q_b_proj.weight": self.num_heads, "kv_b_proj.weight": self.num_heads}
 
     def forward(self, x_BTD: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
-        """Causal attention within each document of ``seq`` (no [T, T] mask is materialised)."""
+        """Causal attention within each document of ``seq`` (no [T, T] mask is materialised).
+        Under train.recompute=selective the projections and the output gate are recompute segments
+        and the attention core keeps its own q, k, v, o, lse (megak3/model/recompute.py)."""
+        q, k, v = segment(self._qkv, x_BTD, seq)
+        q_offset, doc = 0, document_ids(seq, x_BTD.device)
+        if seq.cp is not None:  # keys are the gathered latents of [0, end of segment)
+            q_offset, doc = seq.cp.offset, seq.cp.key_doc_ids_BT
+        o = attention(q, k, v, self.softmax_scale, doc, q_chunk=self.q_chunk, k_chunk=self.k_chunk,
+                      q_offset=q_offset)
+        return segment(self._output, o, x_BTD)
+
+    def _qkv(self, x_BTD: torch.Tensor, seq: SeqInfo):
+        """q [B, H, T, nope+rope], k [B, H, Tk, nope+rope], v [B, H, Tk, v_dim], fp32."""
         B, T, _ = x_BTD.shape
         H = self.num_heads
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))).view(B, T, H, self.q_head_dim)
         latent = self.kv_a_proj_with_mqa(x_BTD)
-        q_offset, doc = 0, document_ids(seq, x_BTD.device)
         if seq.cp is not None:  # context parallelism: keys are the gathered latents of [0, end of segment)
             latent = seq.cp.gather_keys(latent)
-            q_offset, doc = seq.cp.offset, seq.cp.key_doc_ids_BT
         Tk = latent.shape[1]
         c_kv, k_pe = latent.split([self.kv_rank, self.rope], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, Tk, H, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         # NoPE: the shared k_pe slot is broadcast over heads un-rotated (MQA-style).
         k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(B, Tk, H, self.rope)], dim=-1)
-        q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))  # [B, H, T, *], fp32 softmax
-        o = attention(q, k, v, self.softmax_scale, doc, q_chunk=self.q_chunk, k_chunk=self.k_chunk,
-                      q_offset=q_offset)
+        return tuple(t.transpose(1, 2).float() for t in (q, k, v))  # [B, H, T, *], fp32 softmax
+
+    def _output(self, o, x_BTD: torch.Tensor):
+        B, H, T, _ = o.shape
         o = o.transpose(1, 2).reshape(B, T, H * self.v_dim)
         o = o * torch.sigmoid(self.g_proj(x_BTD).float())
         return self.o_proj(o.to(x_BTD.dtype))

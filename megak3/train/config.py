@@ -33,8 +33,10 @@ class TrainConfig:
     """seed for weight init (a pure function of seed and parameter name) and any sampling"""
     precision: str = "fp32"
     """'fp32' or 'bf16' (bf16 autocast for matmuls; fp32 master weights)"""
+    recompute: str = "none"
+    """activation recomputation: 'none' (keep all), 'full' (rerun each decoder layer in backward) or 'selective' (keep GEMM outputs and attention cores, rerun the element-wise work; megak3/model/recompute.py)"""
     activation_checkpointing: bool = False
-    """recompute each decoder layer in backward instead of storing its activations"""
+    """alias of recompute='full' (kept for old commands); use train.recompute"""
     device: str = "auto"
     """'auto' (cuda if available), 'cpu' or 'cuda'"""
     eval_interval: int = 100
@@ -76,10 +78,18 @@ class TrainConfig:
             need(getattr(self, f) >= 0, f, "must be >= 0")
         need(self.keep_last >= 1, "keep_last", "must be >= 1")
         need(self.nonfinite in ("skip", "stop"), "nonfinite", "must be 'skip' or 'stop'")
+        need(self.recompute in ("none", "full", "selective"), "recompute", "must be 'none', 'full' or 'selective'")
+        if self.activation_checkpointing and self.recompute != "full":
+            need(self.recompute == "none", "recompute",
+                 "conflicts with train.activation_checkpointing=true (an alias of recompute=full); drop one")
         need(self.max_nonfinite_steps >= 0, "max_nonfinite_steps", "must be >= 0")
         need(self.init_from_hf is None or str(self.init_from_hf).strip() != "", "init_from_hf",
              "must be a directory path or null")  # the directory itself: compose.check_local / RankStep
         return self
+
+    def recompute_mode(self) -> str:
+        """train.recompute with the alias applied: 'full' when activation_checkpointing=true."""
+        return "full" if self.activation_checkpointing else self.recompute
 
 
 @dataclass

@@ -75,7 +75,7 @@ class RankStep:
                                          seq_shard=(ps.tp_size if self.plan.sequence_parallel else 1) * ps.cp_size,
                                          timeout_s=par.timeout_s)
         apply_quantization(self.model, job.quant)  # QAT hooks sit where the expert weights live
-        self.model.gradient_checkpointing = t.activation_checkpointing
+        self.model.recompute = t.recompute_mode()
         self.optimizer = build_sharded_optimizer(self.model, job.optim, self.plan)
         method = resolve_qb_method(mcfg.qb_method, t.global_batch_size * job.data.seq_len, mcfg.num_experts)
         self.balancers = [QBAccumulator(mcfg.num_experts, mcfg.top_k, method, mcfg.qb_bins, device=self.device)

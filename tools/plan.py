@@ -12,7 +12,10 @@ Arguments (key=value): model=NAME and model.FIELD=VALUE (conf/model/), parallel.
 sequence_parallel,pp_schedule,vp,pp_split_blocks,pp_layout}, world_size, gpu (conf/hardware/: h100,
 h200, b200, cpu), data.seq_len, train.{micro_batch_size,global_batch_size,precision,
 activation_checkpointing}, param_dtype (fp32 as the trainer runs, or bf16), model.moe.qb_method
-(auto | exact | histogram), moonep.{enabled,max_replicas_per_rank}. Without parallel.tp/pp/ep/dp/cp
+(auto | exact | histogram), moonep.{enabled,max_replicas_per_rank}, data.vision_fraction (share of the
+tokens that are image tokens, default 0: text only) and data.image_side (pixels of the square images
+assumed; default the position grid, 896 at K3): the vision tower's activations on the first stage,
+its FLOPs in the step time and its token all-gather under TP. Without parallel.tp/pp/ep/dp/cp
 the plan is the best layout --search finds (cp included: powers of two leaving >= 4096 tokens per
 CP rank, e.g. --min-gpus data.seq_len=1048576 finds the million-token layouts).
 Without train.global_batch_size every plan, search and minimum assumes ~4 Mi tokens per step
@@ -37,7 +40,8 @@ KEYS = {"parallel.tp": ("tp", int), "parallel.pp": ("pp", int), "parallel.ep": (
         "param_dtype": ("param_dtype", str), "parallel.pp_schedule": ("pp_schedule", str),
         "parallel.vp": ("vp", int), "parallel.pp_split_blocks": ("pp_split_blocks", "bool"),
         "parallel.pp_layout": ("pp_layout", "list"), "model.moe.qb_method": ("qb_method", str),
-        "moonep.enabled": ("moonep", "bool"), "moonep.max_replicas_per_rank": ("max_replicas_per_rank", int)}
+        "moonep.enabled": ("moonep", "bool"), "moonep.max_replicas_per_rank": ("max_replicas_per_rank", int),
+        "data.vision_fraction": ("vision_fraction", float), "data.image_side": ("image_side", int)}
 LAYOUT_KEYS = ("tp", "pp", "ep", "dp", "cp")
 
 
@@ -133,6 +137,14 @@ def format_plan(p) -> str:
         lines.append(f"    CP, per micro-batch: KDA summaries/identity block {_g(cps.get('kda', 0)).strip()}, MLA "
                      f"prefix keys {_g(cps.get('mla', 0)).strip()} (latent + fp32 K/V of the last CP rank's "
                      f"{L['seq_len']} keys; inside the above)")
+    if "vision" in p:
+        v = p["vision"]
+        h, w = v["image_patches"]
+        where = "inside activations" if m["stage"] == 0 else "stage 0, not the stage above"
+        lines.append(f"  vision tower     {_g(v['activations_stage0'])}   ({where}; not checkpointed: {v['images_per_rank']} "
+                     f"image(s) of {h}x{w} patches per rank per micro-batch x {p['stages'][0]['in_flight_micro_batches']:g} "
+                     f"in flight, {v['activation_bytes_per_image'] / GiB:.2f} GiB each, "
+                     f"{v['attention_scores_bytes_per_image'] / GiB:.2f} of it fp32 attention scores)")
     lines += [f"  KDA chunk states {_g(m['kda_states'])}   (inside activations)",
               f"  MoonEP buffers   {_g(m['moonep_buffers'])}",
               f"  MoonEP replicas  {_g(m['moonep_replica_buffers'])}   (persistent [E/ep + {m['moonep_replica_slots']}"
@@ -159,6 +171,12 @@ def format_plan(p) -> str:
               f"+ dp exposed {t['dp_exposed_s']:.2f} + QB {t['qb_s']:.2f}; "
               f"{t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f}%",
               f"train with: {p['trainer_overrides']}"]
+    if "vision" in p:
+        v = p["vision"]
+        lines.insert(-1, f"vision: {100 * v['fraction']:g}% of tokens, {v['tokens_per_image']} tokens per "
+                         f"{v['image_side']}px image, {v['images_per_step']:g} images per step ({v['images_per_s']:,.1f}/s); "
+                         f"{v['flops_per_patch_forward'] / 1e9:.2f} GFLOP per patch forward, stage-0 compute "
+                         f"+{v['compute_s']:.3f} s, TP token gather {v['gather_bytes_per_step'] / GiB:.2f} GiB per step")
     return "\n".join(lines)
 
 

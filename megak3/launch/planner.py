@@ -53,6 +53,7 @@ FLOPs per token (forward; training = 3x, + 1x of the layers with activation chec
   kda        per KDA layer: H * (6 K^2 + 3 C K) (state read, write and delta correction 2K^2 each;
              intra-chunk QK^T and AV over C/2 on average; the WY/UT transform C K)
   vision     per image patch: 2 x the tower's GEMM weights (merger once per merge^2 patches) + attention
+             (vision_flops_per_patch)
 The same split per decoder layer (layer_flops_per_token) gives each stage's compute.
 
 Communication per rank per optimizer step (bytes; ring algorithms, (n-1)/n of the data moved),
@@ -85,6 +86,20 @@ all m, interleaved (2 (p - 1 - s) + (vp - 1) p + 1) / vp (its warm-up, in whole-
 p - s plus ~0.5 per postponed W (s of them; tools/bench_pipeline.py).
 A group inside one node uses the NVLink bandwidth, one spanning nodes the per-GPU network bandwidth
 (hardware table); the expert grid puts ep fastest (etp = 1), so an EP group spans ep ranks.
+
+Images (PlanConfig.vision_fraction = data.vision_fraction, image_side; 0 = text only: the plan is
+exactly the text plan, no vision keys). vision_fraction of every row's tokens are <|media|> tokens
+of square images of image_side px (default the position grid: 64 x 64 patches, 1024 tokens at K3);
+vision_figures() has the load. The tower runs in stage 0's forward and is NOT activation-checkpointed
+(K3Model.run_layers checkpoints decoder layers only), so stage 0 keeps, for every micro-batch in
+flight, ceil(images per micro-batch / tp) whole images' saved tensors (TP round robin,
+parallel/tensor_parallel/image_split.py) -- vision_activation_bytes(), which is dominated by the
+fp32 [H, N, N] softmax of SDPA's math path (the tower passes 3-D q/k/v, which no fused kernel
+takes) -- and its largest block of one image as a backward transient. Step time: stage 0's compute
++ 3 x the tower's forward FLOPs of the step (not recomputed) over the stage's ranks; its TP traffic
++ the all-gather of the merged tokens ((tp-1)/tp x vision tokens x hidden x activation bytes per
+micro-batch, forward only). MFU counts the tower's FLOPs. Images under CP are refused (as the
+trainer does).
 
 Context parallelism (parallel.cp, parallel/context_parallel.py; cp = 1 plans exactly as before):
   layout     world = tp x cp x dp x pp; every CP rank of a group holds the same rows' contiguous
@@ -251,6 +266,12 @@ class PlanConfig:
     """fraction of the ZeRO-1 reduce-scatter / all-gather hidden behind compute"""
     global_batch_default: bool = False
     """set by resolved(): the global batch came from default_global_batch()"""
+    vision_fraction: float = 0.0
+    """data.vision_fraction: share of every sequence's tokens that are <|media|> vision tokens (0: text
+    only, the plan is exactly the text plan); the tower's activations, FLOPs and TP gather follow from it"""
+    image_side: int = 0
+    """data.image_side: side in pixels of the (square) images assumed; 0 = the position grid's
+    pos_grid x patch_size (896 px, 64 x 64 patches, 1024 LM tokens at K3)"""
 
     def resolved(self) -> "PlanConfig":
         for f in ("tp", "pp", "ep", "cp", "vp", "world_size", "micro_batch_size", "seq_len"):
@@ -261,6 +282,11 @@ class PlanConfig:
         m = self.max_replicas_per_rank
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
             raise ValueError(f"moonep.max_replicas_per_rank={m!r} must be an integer >= 0 (0 = num_experts / ep)")
+        f = self.vision_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
+            raise ValueError(f"data.vision_fraction={f!r} must be a number in [0, 1]")
+        if isinstance(self.image_side, bool) or not isinstance(self.image_side, int) or self.image_side < 0:
+            raise ValueError(f"data.image_side={self.image_side!r} must be an integer >= 0 (0 = the position grid)")
         if self.precision not in ("bf16", "fp32"):
             raise ValueError(f"precision={self.precision!r} must be 'bf16' or 'fp32'")
         if self.param_dtype not in ("bf16", "fp32"):
@@ -350,6 +376,8 @@ def check_model(cfg: ModelConfig, pc: PlanConfig) -> None:
         MoonEPConfig(max_replicas_per_rank=pc.max_replicas_per_rank).validate(cfg.moe.num_experts, pc.ep)
     if pc.pp > 1:
         _chunks(cfg, pc)
+    if pc.vision_fraction > 0:
+        vision_image(cfg, pc)
 
 
 # ---- parameters from the real module tree -------------------------------------------------------
@@ -870,6 +898,127 @@ def head_activations(cfg: ModelConfig, pc: PlanConfig) -> float:
     return max(0.0, (c["Nd"] * f["Nd"] + c["d"] * f["d"] + c.get("one", 0.0)) * t_sp + c["V"] * f["V"] * t)
 
 
+# ---- vision tower ---------------------------------------------------------------------------------
+def vision_image(cfg: ModelConfig, pc: PlanConfig) -> tuple:
+    """(h, w) patches of the image a plan assumes: image_side / patch_size a side (square), or the
+    position grid (pos_grid x pos_grid) when image_side is 0. Raises ValueError when images cannot
+    be planned: the tower disabled, cp > 1 (K3Model.embed refuses images under CP), a side that is
+    not a multiple of patch_size x merge, or an image with more LM tokens than a row holds (packing
+    never splits an image across rows)."""
+    v = cfg.vision
+    if not v.enabled:
+        raise ValueError(f"data.vision_fraction={pc.vision_fraction} needs model.vision.enabled=true")
+    if pc.cp > 1:
+        raise ValueError(f"data.vision_fraction={pc.vision_fraction} with parallel.cp={pc.cp}: images under context "
+                         "parallelism are not supported (K3Model.embed refuses them); plan image-text data with cp=1")
+    side = v.patch_size * v.merge
+    if pc.image_side:
+        if pc.image_side % side:
+            raise ValueError(f"data.image_side={pc.image_side} must be a multiple of patch_size x merge = {side} "
+                             "(the preprocessor snaps images to that grid)")
+        h = w = pc.image_side // v.patch_size
+    else:
+        h = w = v.pos_grid
+    tokens = (h // v.merge) * (w // v.merge)
+    if tokens > pc.seq_len:
+        raise ValueError(f"an image of {h} x {w} patches is {tokens} LM tokens, more than data.seq_len={pc.seq_len}; "
+                         "use a smaller data.image_side")
+    return h, w
+
+
+def vision_flops_per_patch(cfg: ModelConfig, patches: int) -> float:
+    """Forward FLOPs of the tower per patch of an image of ``patches`` patches: 2 x its GEMM weights
+    (patch embedding, qkv, proj, fc1, fc2; the merger once per merge^2 patches; no FLOPs for the
+    position table) + QK^T and AV over the image's patches, 4 x layers x qkv width x patches.
+    Equals torch's FLOP counter on the tower (tests/test_vision_parallel.py)."""
+    v = cfg.vision
+    D, qkv, m2 = v.hidden_size, v.num_heads * v.head_dim, v.merge ** 2
+    gemm = (v.in_channels * v.patch_size ** 2 * D                    # patch embedding
+            + v.num_layers * (4 * D * qkv + 2 * D * v.intermediate_size)  # qkv, proj, fc1, fc2
+            + (m2 * D * v.projector_hidden + v.projector_hidden * cfg.hidden_size) / m2)  # merger: 1 per m^2
+    return 2.0 * gemm + 4.0 * v.num_layers * qkv * patches
+
+
+def vision_activation_bytes(cfg: ModelConfig, h: int, w: int, precision: str = "bf16",
+                            param_dtype: str = "fp32") -> dict:
+    """Bytes the tower saves for backward for ONE image of h x w patches, as megak3/model/vision.py
+    runs it (counted from its autograd graph; tests/test_plan_vision.py measures them). Per patch
+    (N = h w, D width, Q = heads x head_dim, I MLP width, P projector width, m merge; r = residual
+    stream bytes: 4 with fp32 params, since the fp32 pos_embed promotes it; l = bytes of Linear
+    inputs and GELU in/out: 2 under bf16 autocast, else 4):
+      patch embedding  C p^2 l             the patchified copy (Linear input)
+      each block       2 x RMSNorm (4D fp32 input + rD normalised + 4 B rstd) + 2 x D l (qkv, fc1 inputs)
+                       + Q l (proj input) + 2 I l (GELU input and output)
+                       + attention: SDPA gets 3-D [H, N, K] q/k/v, and every fused kernel (flash,
+                         memory-efficient, CPU flash) needs 4-D inputs, so it runs the MATH path on
+                         CPU and GPU alike, which upcasts bf16 q/k/v to fp32 and saves the scaled q
+                         and k (2Q x 4), v (a view of the whole fp32 qkv output, 3Q x 4, with fp32
+                         Linears; else its fp32 copy, Q x 4) and the softmax [H, N, N] fp32: H N x 4
+                         per patch, quadratic in the image (27 x 12 x 4096 x 4 B = 5.3 MB per patch
+                         of a 64 x 64-patch image at K3; a flash kernel would save O(N))
+      final norm       4D + rD + 4
+      merger           (4D + rD + lD) per patch (its norm on the merged copy, fc1 input) + (4 + 2 P l) / m^2
+    The merged tokens, the TP gather and the splice save nothing of size. Returns per_patch (all but
+    the scores), attention_scores (all layers, the whole image), per_block (one block, the whole
+    image, incl. its scores: the largest single module) and total."""
+    v = cfg.vision
+    N, D, Q, I = h * w, v.hidden_size, v.num_heads * v.head_dim, v.intermediate_size
+    m2, P = v.merge ** 2, v.projector_hidden
+    lin = 2 if precision == "bf16" or param_dtype == "bf16" else 4
+    res = 4 if param_dtype == "fp32" else 2
+    norm = 4 * D + res * D + 4
+    value = 3 * Q * 4 if lin == 4 else Q * 4
+    block = 2 * (norm + D * lin) + Q * lin + 2 * I * lin + 2 * Q * 4 + value
+    scores = v.num_heads * N * 4                              # per patch per block
+    per_patch = (v.in_channels * v.patch_size ** 2 * lin + v.num_layers * block + norm
+                 + 4 * D + res * D + lin * D + (4 + 2 * P * lin) / m2)
+    out = {"per_patch": float(per_patch), "attention_scores": float(v.num_layers * scores * N),
+           "per_block": float((block + scores) * N)}
+    out["total"] = out["per_patch"] * N + out["attention_scores"]
+    return out
+
+
+def vision_figures(cfg: ModelConfig, pc: PlanConfig) -> dict:
+    """The vision tower's load, memory, FLOPs and traffic in a plan with pc.vision_fraction > 0
+    ({} otherwise). The tower runs in the first pipeline stage's forward (K3Model.embed) and is not
+    activation-checkpointed (only the decoder layers are), so its saved tensors stay for every
+    micro-batch in flight on stage 0 and it is not recomputed (training = 3 x forward). Under TP a
+    rank encodes images r, r + tp, ... of its micro-batch and the merged tokens are all-gathered
+    (parallel/tensor_parallel/image_split.py); DP ranks get their rows' images.
+
+    images_per_micro_batch: vision_fraction x mbs x seq_len / tokens_per_image (a mean, may be < 1);
+    images_per_rank: ceil(images_per_micro_batch / tp), whole images -- a micro-batch that holds an
+    image holds all of it, and round robin gives the first TP ranks the extra one -- so the memory is
+    that of the worst rank; activations_per_micro_batch: images_per_rank x vision_activation_bytes;
+    train_flops_per_step: 3 x patches of the step x vision_flops_per_patch (spread over the stage's
+    ranks in the step time: round robin balances by count); gather_bytes_per_micro_batch: what one
+    rank sends in the token all-gather, (tp-1)/tp x vision tokens x text width x activation bytes."""
+    if not pc.vision_fraction:
+        return {}
+    v = cfg.vision
+    h, w = vision_image(cfg, pc)
+    patches = h * w
+    tokens_img = (h // v.merge) * (w // v.merge)
+    vis_tokens_mb = pc.vision_fraction * pc.micro_batch_size * pc.seq_len
+    images_mb = vis_tokens_mb / tokens_img
+    images_rank = math.ceil(images_mb / pc.tp - 1e-9)
+    act = vision_activation_bytes(cfg, h, w, pc.precision, pc.param_dtype)
+    a = 2 if pc.precision == "bf16" else 4
+    tokens_step = pc.global_batch_size * pc.seq_len
+    fwd = vision_flops_per_patch(cfg, patches)
+    return {"fraction": pc.vision_fraction, "image_patches": [h, w], "image_side": h * v.patch_size,
+            "patches_per_image": patches, "tokens_per_image": tokens_img,
+            "vision_tokens_per_micro_batch": vis_tokens_mb, "images_per_micro_batch": images_mb,
+            "images_per_rank": images_rank, "images_per_step": pc.vision_fraction * tokens_step / tokens_img,
+            "vision_tokens_per_step": pc.vision_fraction * tokens_step,
+            "flops_per_patch_forward": fwd,
+            "train_flops_per_step": 3.0 * fwd * pc.vision_fraction * tokens_step * v.merge ** 2,
+            "activation_bytes_per_image": act["total"], "attention_scores_bytes_per_image": act["attention_scores"],
+            "activation_bytes_per_patch": act["total"] / patches, "block_bytes_per_image": act["per_block"],
+            "activations_per_micro_batch": images_rank * act["total"],
+            "gather_bytes_per_micro_batch": _ring(pc.tp) * vis_tokens_mb * cfg.hidden_size * a}
+
+
 def stage_memory(cfg: ModelConfig, pc: PlanConfig, stage: int) -> dict:
     layers = _stage_layer_list(cfg, pc, stage)
     first, last = stage == 0, stage == pc.pp - 1
@@ -896,6 +1045,11 @@ def stage_memory(cfg: ModelConfig, pc: PlanConfig, stage: int) -> dict:
         acts = full * in_flight
     head = head_activations(cfg, pc) if last else 0.0
     acts += head
+    # the vision tower (first stage, not checkpointed): its saved tensors for every micro-batch in flight
+    vis = vision_figures(cfg, pc) if first else {}
+    vision_acts = vis["activations_per_micro_batch"] * in_flight if vis else 0.0
+    if vis:
+        acts += vision_acts
     n_moe = _n_moe(cfg, layers)
     moonep = 0.0
     if pc.ep > 1 and n_moe:
@@ -905,7 +1059,7 @@ def stage_memory(cfg: ModelConfig, pc: PlanConfig, stage: int) -> dict:
     comm = 2 * pc.bucket_bytes if pc.dp_cp > 1 or pc.expert_dp > 1 else 0.0
     # bf16 autocast over fp32 weights caches a bf16 copy of every weight it uses during a forward
     autocast_copies = 2 * mem["local_params"] if pc.precision == "bf16" and pc.param_dtype == "fp32" else 0.0
-    transient = max(biggest, head)
+    transient = max(biggest, head, vis["block_bytes_per_image"]) if vis else max(biggest, head)
     kda_states = sum(la["kda_states"] for la in per_layer) * (1 if pc.activation_checkpointing else in_flight)
     cp_saved = {k: sum(la["cp_saved"] for la in per_layer if la["kind"] == k) for k in ("kda", "mla")}
     # gradients are released after every step (zero_grad(set_to_none)): with one micro-batch per step
@@ -917,7 +1071,7 @@ def stage_memory(cfg: ModelConfig, pc: PlanConfig, stage: int) -> dict:
     working = max(fwd_peak + (mem["grads"] if m_count > 1 else 0.0), mem["grads"] + comm, qb["transient"])
     total = mem["params"] + mem["main_params"] + mem["optimizer_state"] + qb["persistent"] + replicas["memory"] \
         + working
-    return {"stage": stage, "layers": [[c.start, c.stop] for c in stage_chunks(cfg, pc, stage)],
+    out = {"stage": stage, "layers": [[c.start, c.stop] for c in stage_chunks(cfg, pc, stage)],
             "num_layers": len(layers), "moe_layers": n_moe, "in_flight_micro_batches": in_flight,
             "params": mem["params"], "grads": mem["grads"], "main_params": mem["main_params"],
             "optimizer_state": mem["optimizer_state"], "activations": acts,
@@ -928,6 +1082,10 @@ def stage_memory(cfg: ModelConfig, pc: PlanConfig, stage: int) -> dict:
             "backward_transient": transient, "autocast_weight_copies": autocast_copies, "total": total,
             "local_params": mem["local_params"], "local_dense": mem["local_dense"],
             "local_expert": mem["local_expert"]}
+    if pc.vision_fraction > 0:  # (text-only plans keep exactly their keys)
+        out["activations_no_checkpointing"] += vision_acts
+        out.update(vision_activations=vision_acts, vision_images_per_rank=vis.get("images_per_rank", 0))
+    return out
 
 
 # ---- FLOPs ------------------------------------------------------------------------------------
@@ -964,12 +1122,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
     out["train"] = 3.0 * out["forward"]
     v = cfg.vision
     if v.enabled:  # an image the size of the learned position grid (pos_grid^2 patches: 896 x 896 px at K3)
-        patches, D, qkv, m2 = v.pos_grid ** 2, v.hidden_size, v.num_heads * v.head_dim, v.merge ** 2
-        gemm = (v.in_channels * v.patch_size ** 2 * D                    # patch embedding
-                + v.num_layers * (4 * D * qkv + 2 * D * v.intermediate_size)  # qkv, proj, fc1, fc2
-                + (m2 * D * v.projector_hidden + v.projector_hidden * cfg.hidden_size) / m2)  # merger: 1 per m^2
-        # + QK^T and AV over the image's patches; equals torch's FLOP counter on the tower exactly
-        out["vision_per_patch_forward"] = 2.0 * gemm + 4.0 * v.num_layers * qkv * patches
+        out["vision_per_patch_forward"] = vision_flops_per_patch(cfg, v.pos_grid ** 2)
     out["active_params"] = pc["active"]
     out["total_params"] = pc["total"]
     return out
@@ -1033,6 +1186,10 @@ def comm_per_step(cfg: ModelConfig, pc: PlanConfig, stage: int) -> dict:
     tp_unit = t * d * a * _ring(pc.tp) * m_count
     tp = 2 * passes * 2 * n_layers * tp_unit       # 2 regions x (enter + exit) per pass
     tp += 2 * tp_unit * (first + last)               # vocab-parallel embedding / lm_head (not recomputed)
+    vis = vision_figures(cfg, pc) if first else {}
+    tp_vision = vis["gather_bytes_per_micro_batch"] * m_count if vis else 0.0
+    if vis:
+        tp += tp_vision                              # the merged image tokens' all-gather (forward only)
     partial = 0
     if pc.tp > 1:
         for place in _places(cfg, layers, first, last):
@@ -1056,11 +1213,14 @@ def comm_per_step(cfg: ModelConfig, pc: PlanConfig, stage: int) -> dict:
             f = cp_layer_figures(cfg, pc, kind)
             n = sum(1 for i in layers if kinds[i] == kind)
             cp_kind[kind] = n * m_count * ((passes - 1) * f["sent_fwd"] + f["sent_bwd"])
-    return {"tp": tp, "tp_grad_sync": tp_sync, "ep": ep, "ep_replicas_max": ep_replicas_max, "dp": dp_dense + dp_expert,
-            "pp": pp, "qb": qb["comm"], "cp": cp_kind["kda"] + cp_kind["mla"],
-            "cp_kda": cp_kind["kda"], "cp_mla": cp_kind["mla"],
-            "dp_dense": dp_dense, "dp_expert": dp_expert, "qb_tp": qb["comm_tp"], "qb_dp": qb["comm_dp"],
-            "micro_batches": m_count, "stage": stage}
+    out = {"tp": tp, "tp_grad_sync": tp_sync, "ep": ep, "ep_replicas_max": ep_replicas_max, "dp": dp_dense + dp_expert,
+           "pp": pp, "qb": qb["comm"], "cp": cp_kind["kda"] + cp_kind["mla"],
+           "cp_kda": cp_kind["kda"], "cp_mla": cp_kind["mla"],
+           "dp_dense": dp_dense, "dp_expert": dp_expert, "qb_tp": qb["comm_tp"], "qb_dp": qb["comm_dp"],
+           "micro_batches": m_count, "stage": stage}
+    if pc.vision_fraction > 0:
+        out["tp_vision"] = tp_vision
+    return out
 
 
 def _in_flight(pc: PlanConfig, stage: int, m: int) -> float:
@@ -1104,6 +1264,10 @@ def stage_time(cfg: ModelConfig, pc: PlanConfig, hw, stage: int, comm: dict, bub
     train = 3.0 * (fwd_layers + fwd_head) + (fwd_layers if pc.activation_checkpointing else 0.0)
     tokens_step = pc.global_batch_size * pc.seq_len
     compute = train * tokens_step / (pc.world_size // pc.pp) / (hw.peak_flops(pc.precision) * hw.mfu)
+    vis = vision_figures(cfg, pc) if stage == 0 else {}
+    if vis:  # the tower (3 x forward, not recomputed), its images spread over the stage's tp x dp ranks
+        vision_s = vis["train_flops_per_step"] / (pc.world_size // pc.pp) / (hw.peak_flops(pc.precision) * hw.mfu)
+        compute += vision_s
     # rank order tp fastest, then ep / dp, pp last (parallel/grid.py default 'tp-cp-ep-dp-pp'); the
     # expert grid (etp = 1) puts ep fastest
     t_tp = comm["tp"] / _link(pc.tp, hw)
@@ -1116,9 +1280,12 @@ def stage_time(cfg: ModelConfig, pc: PlanConfig, hw, stage: int, comm: dict, bub
     t_qb = comm["qb_tp"] / _link(pc.tp, hw) + comm["qb_dp"] / _link(pc.tp * pc.dp_cp, hw)
     t_pp = comm["pp"] / _link(pc.world_size, hw) if pc.pp > 1 else 0.0
     step = (compute + t_tp + t_ep + t_cp + t_pp) * bubble + t_sync + t_dp + t_qb
-    return {"stage": stage, "compute_s": compute, "tp_s": t_tp, "ep_s": t_ep, "cp_s": t_cp, "pp_s": t_pp,
-            "bubble": bubble,
-            "tp_grad_sync_s": t_sync, "dp_exposed_s": t_dp, "qb_s": t_qb, "step_s": step}
+    out = {"stage": stage, "compute_s": compute, "tp_s": t_tp, "ep_s": t_ep, "cp_s": t_cp, "pp_s": t_pp,
+           "bubble": bubble,
+           "tp_grad_sync_s": t_sync, "dp_exposed_s": t_dp, "qb_s": t_qb, "step_s": step}
+    if pc.vision_fraction > 0:
+        out["vision_compute_s"] = vision_s if vis else 0.0
+    return out
 
 
 def trainer_overrides(pc: PlanConfig, split: bool = False) -> str:
@@ -1156,11 +1323,12 @@ def make_plan(cfg: ModelConfig, pc: PlanConfig, hw) -> dict:
     fl = flops_per_token(cfg, pc.seq_len)
     tokens_step = pc.global_batch_size * pc.seq_len
     step = t["step_s"]
-    t.update(tokens_per_s=tokens_step / step,
-             mfu=fl["train"] * tokens_step / pc.world_size / step / hw.peak_flops(pc.precision))
+    vis = vision_figures(cfg, pc)
+    model_flops = fl["train"] * tokens_step + (vis["train_flops_per_step"] if vis else 0.0)
+    t.update(tokens_per_s=tokens_step / step, mfu=model_flops / pc.world_size / step / hw.peak_flops(pc.precision))
     usable = hw.memory_bytes * hw.usable_memory_fraction
     split = pc.pp > 1 and split_blocks(cfg, pc)
-    return {
+    out = {
         "layout": {"tp": pc.tp, "pp": pc.pp, "ep": pc.ep, "cp": pc.cp, "dp": pc.dp, "edp": pc.edp,
                    "world_size": pc.world_size,
                    "sequence_parallel": pc.sequence_parallel, "micro_batch_size": pc.micro_batch_size,
@@ -1181,6 +1349,12 @@ def make_plan(cfg: ModelConfig, pc: PlanConfig, hw) -> dict:
         "fits": worst["total"] <= usable, "usable_memory": usable,
         "trainer_overrides": trainer_overrides(pc, split),
     }
+    if vis:  # only with data.vision_fraction > 0: text-only plans are exactly as before
+        out["vision"] = {**vis, "images_per_s": vis["images_per_step"] / step,
+                         "activations_stage0": stages[0]["vision_activations"],
+                         "compute_s": times[0]["vision_compute_s"],
+                         "gather_bytes_per_step": comms[0]["tp_vision"]}
+    return out
 
 
 def _divisors(n: int) -> List[int]:

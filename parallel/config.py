@@ -52,6 +52,12 @@ class ParallelConfig:
     """process-group backend: 'auto' (nccl on CUDA, gloo on CPU), 'gloo' or 'nccl'"""
     timeout_s: float = 300.0
     """timeout of every collective and of the rendezvous, in seconds"""
+    overlap_grad_reduce: bool = False
+    """issue each ZeRO-1 gradient bucket's reduce-scatter during the last micro-batch's backward as
+    soon as the bucket is complete (bitwise the same result); used without tp/pp/ep/cp only, ignored
+    otherwise"""
+    pp_batch_p2p: bool = False
+    """pipeline sends/receives of one payload posted together with ``dist.batch_isend_irecv``"""
 
     def resolved_dp(self, world_size: int) -> int:
         """dp, or world_size / (tp * cp * pp) when dp == 0."""
@@ -84,6 +90,9 @@ class ParallelConfig:
             raise ValueError(f"parallel.backend={self.backend!r}: choose one of {', '.join(BACKENDS)}")
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"parallel.sequence_parallel={self.sequence_parallel!r} must be true or false")
+        for f in ("overlap_grad_reduce", "pp_batch_p2p"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"parallel.{f}={getattr(self, f)!r} must be true or false")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
                 or not self.timeout_s > 0:
             raise ValueError(f"parallel.timeout_s={self.timeout_s!r} must be a positive number of seconds")

@@ -38,6 +38,21 @@ Call order per optimizer step::
     set_lr(opt, lr); opt.step()    # local Muon/AdamW on owned params, then all-gather
     opt.zero_grad()
 
+Overlapped reduce-scatter (``overlap_grad_reduce=True``, issue 19 item 4)
+    Each param gets a post-accumulate-grad hook. :meth:`ShardedOptimizer.start_grad_overlap`, called
+    before the backward of the LAST micro-batch of a step, arms them: a bucket's reduce-scatter is
+    issued (``async_op=True``) as soon as every param of the bucket has its final gradient, while the
+    rest of the backward runs. Buckets are issued in one fixed order on every rank (the collectives
+    of a group must match): by descending position of their earliest parameter in
+    ``model.parameters()``, i.e. roughly the order backward completes them; a bucket that is ready
+    before its predecessors waits for them. :meth:`reduce_gradients` then issues what is left (params
+    that got no gradient on this rank), runs the has-gradient all-reduce, and waits for all handles.
+    Same flat layout, same buffers, same collective: the result is bitwise that of the
+    non-overlapped form (tests/test_overlap.py). A gradient accumulated into a param whose bucket was
+    already issued raises (it would be lost). Callers that modify gradients between backward and
+    :meth:`reduce_gradients` (TP partial-gradient sums) or interleave other collectives on the same
+    group must not arm it (``RankStep`` arms it only without tp/pp/ep/cp).
+
 Collectives used: ``reduce_scatter_single`` / ``all_gather_single`` (``reduce_scatter_tensor`` /
 ``all_gather_into_tensor`` before torch 2.13) and ``all_reduce``; gloo supports all of them in
 torch 2.13 (checked with two gloo ranks), as does nccl. A group of size 1 (or ``None``) calls no
@@ -179,13 +194,16 @@ class ShardedOptimizer:
         group_for: ``(name, param) -> group`` overriding both (the most general form).
         bucket_bytes: fp32 gradient bytes per bucket.
         tp_group, shard_dim: if given, :meth:`set_tensor_parallel` is called with them.
+        overlap_grad_reduce: install the hooks that issue each bucket's reduce-scatter during the
+            backward armed by :meth:`start_grad_overlap` (see the module docstring).
     """
 
     def __init__(self, model: nn.Module, optim_cfg: OptimConfig, dp_group: ProcessGroup = None,
                  *, edp_group: ProcessGroup = None,
                  group_for: Callable[[str, nn.Parameter], ProcessGroup] | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 tp_group: ProcessGroup = None, shard_dim: dict[str, Optional[int]] | None = None):
+                 tp_group: ProcessGroup = None, shard_dim: dict[str, Optional[int]] | None = None,
+                 overlap_grad_reduce: bool = False):
         if bucket_bytes < 4:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 4 (one fp32 element)")
         # build_optimizer does the Muon/AdamW split, the Per-Head Muon heads and the hyperparameters;
@@ -250,6 +268,25 @@ class ShardedOptimizer:
         """(group, experts_only): groups over which ranks hold different params (see add_norm_partition)"""
         if tp_group is not None or shard_dim is not None:
             self.set_tensor_parallel(tp_group, shard_dim or {})
+        # ---- overlapped reduce-scatter (hooks; armed per step by start_grad_overlap) ----
+        self.overlap_grad_reduce = bool(overlap_grad_reduce)
+        self._armed = False
+        self._hooks: list = []
+        self.overlap_log: list[tuple[str, int]] = []
+        """("launch", bucket) per bucket issued during backward in the last armed step, in order"""
+        if self.overlap_grad_reduce:
+            pos = {id(p): k for k, p in enumerate(model.parameters())}
+            self._bucket_of = [-1] * len(self.specs)
+            multi = [k for k, b in enumerate(self.buckets) if _size(self.groups[b.group_id]) > 1]
+            for k in multi:
+                for sl in self.buckets[k].slots:
+                    self._bucket_of[sl.index] = k
+            # earliest param (in model order) completes last in backward: issue those buckets last
+            self._launch_order = sorted(multi, key=lambda k: (-min(pos.get(id(self.specs[sl.index].param), 0)
+                                                                   for sl in self.buckets[k].slots), k))
+            for i, s in enumerate(self.specs):
+                if self._bucket_of[i] >= 0:
+                    self._hooks.append(s.param.register_post_accumulate_grad_hook(self._make_hook(i)))
 
     def add_norm_partition(self, group: ProcessGroup, experts_only: bool = False) -> None:
         """Declare that the ranks of ``group`` hold different parameters (all of them, or only the
@@ -344,14 +381,76 @@ class ShardedOptimizer:
     def _all_gather(self, out: torch.Tensor, mine: torch.Tensor, group: ProcessGroup) -> None:
         _all_gather(out, mine, group=group)
 
+    def _reduce_scatter_async(self, out: torch.Tensor, flat: torch.Tensor, group: ProcessGroup):
+        return _reduce_scatter(out, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+    # ---------------------------------------------------------------- overlapped reduce-scatter
+    def _make_hook(self, i: int):
+        def hook(_param):
+            if self._armed:
+                self._grad_ready(i)
+        return hook
+
+    def start_grad_overlap(self) -> None:
+        """Arm the overlap for the coming backward (the last micro-batch of the step): each bucket's
+        reduce-scatter is issued once all its params' gradients are final. No-op unless built with
+        ``overlap_grad_reduce=True``. :meth:`reduce_gradients` completes it."""
+        if not self.overlap_grad_reduce:
+            return
+        self._armed = True
+        self._ready = [False] * len(self.specs)
+        self._left = [len(b.slots) for b in self.buckets]
+        self._next = 0                                   # index into _launch_order
+        self._inflight: dict[int, tuple] = {}            # bucket -> (work, shard, flat)
+        self.overlap_log = []
+
+    @torch.no_grad()
+    def _grad_ready(self, i: int) -> None:
+        k = self._bucket_of[i]
+        if self._ready[i]:
+            if k in self._inflight:
+                raise RuntimeError(f"ShardedOptimizer(overlap_grad_reduce=True): {self.specs[i].name!r} received "
+                                   "another gradient after its bucket's reduce-scatter was issued (a param used "
+                                   "by two backward passes of one micro-batch?); turn the overlap off")
+            return
+        self._ready[i] = True
+        self._left[k] -= 1
+        while self._next < len(self._launch_order) and self._left[self._launch_order[self._next]] == 0:
+            self._launch(self._launch_order[self._next])
+            self.overlap_log.append(("launch", self._launch_order[self._next]))
+            self._next += 1
+
+    def _flat_grads(self, b: _Bucket) -> torch.Tensor:
+        """The bucket's ``[rank0 | pad | rank1 | pad | ...]`` fp32 buffer of the model gradients."""
+        flat = torch.zeros(_size(self.groups[b.group_id]) * b.seg_len, dtype=torch.float32, device=self.device)
+        for sl in b.slots:
+            grad = self.specs[sl.index].param.grad
+            if grad is not None:
+                start = sl.owner * b.seg_len + sl.offset
+                flat[start:start + sl.numel].copy_(grad.reshape(-1))
+        return flat
+
+    def _launch(self, k: int) -> None:
+        b = self.buckets[k]
+        flat = self._flat_grads(b)
+        shard = torch.empty(b.seg_len, dtype=torch.float32, device=self.device)
+        self._inflight[k] = (self._reduce_scatter_async(shard, flat, self.groups[b.group_id]), shard, flat)
+
     # ---------------------------------------------------------------- the step
     @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Sum model gradients over each group into the owners' main copies; release model ``.grad``.
 
         A param gets a main gradient iff some rank of its group produced one (single-process
-        semantics: Muon/AdamW skip params whose grad is None, weight decay included).
+        semantics: Muon/AdamW skip params whose grad is None, weight decay included). After an armed
+        backward (:meth:`start_grad_overlap`) the buckets not yet issued are issued first (in the
+        fixed order), then every handle is waited for.
         """
+        armed, self._armed = self._armed, False
+        if armed:
+            for k in self._launch_order[self._next:]:
+                self._launch(k)
+            self._next = len(self._launch_order)
         has = [s.param.grad is not None for s in self.specs]
         for gid, g in enumerate(self.groups):
             if _size(g) > 1:
@@ -360,7 +459,7 @@ class ShardedOptimizer:
                 for i, v in zip(self.members[gid], part.tolist()):
                     has[i] = v > 0
         self._has_grad = has
-        for b in self.buckets:
+        for k, b in enumerate(self.buckets):
             g = self.groups[b.group_id]
             world, me = _size(g), _rank(g)
             if world == 1:
@@ -368,14 +467,13 @@ class ShardedOptimizer:
                     grad = self.specs[sl.index].param.grad
                     self.main[sl.index].grad = None if grad is None else grad.float()
                 continue
-            flat = torch.zeros(world * b.seg_len, dtype=torch.float32, device=self.device)
-            for sl in b.slots:
-                grad = self.specs[sl.index].param.grad
-                if grad is not None:
-                    start = sl.owner * b.seg_len + sl.offset
-                    flat[start:start + sl.numel].copy_(grad.reshape(-1))
-            shard = torch.empty(b.seg_len, dtype=torch.float32, device=self.device)
-            self._reduce_scatter(shard, flat, g)
+            if armed:
+                work, shard, _flat = self._inflight.pop(k)
+                work.wait()
+            else:
+                flat = self._flat_grads(b)
+                shard = torch.empty(b.seg_len, dtype=torch.float32, device=self.device)
+                self._reduce_scatter(shard, flat, g)
             for sl in b.slots:
                 if sl.owner == me:
                     m = self.main[sl.index]
@@ -479,6 +577,7 @@ class ShardedOptimizer:
         for m in self.main.values():
             m.grad = None
         self._reduced = False
+        self._armed = False
 
     # ---------------------------------------------------------------- checkpointing
     def ownership(self) -> dict:
@@ -744,12 +843,14 @@ def load_consolidated_state(sharded_opt: ShardedOptimizer, full_state: dict, pla
                 g.update(new_hyper[id(g)][1])
 
 
-def build_sharded_optimizer(model: nn.Module, optim_cfg: OptimConfig, plan) -> ShardedOptimizer:
+def build_sharded_optimizer(model: nn.Module, optim_cfg: OptimConfig, plan, overlap_grad_reduce: bool = False,
+                            bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ShardedOptimizer:
     """The ZeRO-1 optimizer of a parallelized model, wired from its :class:`parallel.plan.ParallelPlan`:
     each gradient reduces over ``plan.grad_group`` (dp, or expert-dp for expert shards; None when
     that group has one rank), TP shards are declared, and the norm partitions are added."""
     ps = plan.ps
-    opt = ShardedOptimizer(model, optim_cfg, ps.dp_cp_group, group_for=plan.make_grad_group_fn())
+    opt = ShardedOptimizer(model, optim_cfg, ps.dp_cp_group, group_for=plan.make_grad_group_fn(),
+                           overlap_grad_reduce=overlap_grad_reduce, bucket_bytes=bucket_bytes)
     if ps.tp_size > 1:
         opt.set_tensor_parallel(ps.tp_group, plan.tp_shard_dim)
     for group, experts_only in plan.norm_partitions:

@@ -1,6 +1,6 @@
 """Replica-weight fetch hidden behind the shared experts (issue 19), measured on gloo in one run.
 
-    PYTHONPATH=. python tools/bench_overlap.py [--ranks 2] [--experts 4] [--reps 5]
+    PYTHONPATH=. python tools/bench_overlap.py [--ranks 2] [--experts 4] [--reps 5] [--only 3,4]
 
 [1] the collective alone: t_fetch = blocking all_to_all_single of the replica weights (k3_mini
     expert size, fp32), t_shared = the shared-expert MLP alone, t_seq = fetch then MLP, t_ovl = the
@@ -8,6 +8,12 @@
     (t_seq - t_ovl) / t_fetch (1 = the fetch is free, 0 = no overlap).
 [2] a skewed LatentMoE layer (k3_mini widths) under MoonEP: forward+backward step time with
     ``overlap_shared`` on vs off, same run, same outputs (the ratio is printed).
+[3] ZeRO-1 gradient reduce-scatter behind the backward (``parallel.overlap_grad_reduce``): the
+    trainer's step (RankStep: accumulate + apply) of k3_tiny (vision off) on dp=ranks, 2
+    micro-batches, 4 MiB buckets; step time on / off, both forms stepped alternately in one run;
+    their losses must be bitwise equal.
+[4] pipeline p2p posted with ``dist.batch_isend_irecv`` (``parallel.pp_batch_p2p``): the same
+    step on pp=ranks (1f1b, 2·pp micro-batches); step time on / off, losses bitwise equal.
 On a 2-core box shared with other jobs gloo's background thread competes with the compute for a
 core, so the CPU figure is a floor for what NCCL's separate engine gets.
 """
@@ -89,15 +95,79 @@ def _bench(rank, world, n_exp, reps):
     return t, {k: min(v) for k, v in layer_t.items()}, same, d.last["num_replicas"]
 
 
+def _step_bench(rank, world, flag_name, pp, reps, seqlen):
+    """Median step time of RankStep with ``parallel.<flag_name>`` off and on (alternating), and the
+    per-step losses of both (summed over dp)."""
+    torch.set_num_threads(1)
+    from megak3.train.step import RankStep, all_reduce_sum
+    from parallel.data_parallel import build_sharded_optimizer
+    from parallel.parity import global_batch, local_rows, parity_job
+    from parallel.state import init_parallel
+
+    dp = world // pp
+    micro = 2 * pp
+    rows = micro * dp * 2  # 2 rows per micro-batch and rank
+    job = parity_job(1, dp, False, {"vision.enabled": False}, batch=rows, seqlen=seqlen, seed=5, lr=1e-3,
+                     steps=reps, pp=pp)
+    ps = init_parallel(job.parallel, model_cfg=job.model)
+    steps = {}
+    for flag in (False, True):
+        setattr(job.parallel, flag_name, flag)
+        rs = RankStep(job, ps, "cpu", grad_accum=micro)
+        if flag_name == "overlap_grad_reduce":  # several buckets (the 40 MiB default holds all of k3_tiny)
+            rs.optimizer = build_sharded_optimizer(rs.model, job.optim, rs.plan, overlap_grad_reduce=flag,
+                                                   bucket_bytes=4 * 2**20)
+        steps[flag] = rs
+    times = {False: [], True: []}
+    losses = {False: [], True: []}
+    for step in range(reps + 1):  # step 0: warm-up, not timed
+        ids, labels, _ = global_batch(step, rows, seqlen, job.model.vocab_size)
+        ids, labels, _ = local_rows(ids, labels, ps.dp_rank, dp)
+        mbs = [{"input_ids": a, "labels": b} for a, b in zip(ids.chunk(micro), labels.chunk(micro))]
+        for flag in ((False, True) if step % 2 else (True, False)):
+            rs = steps[flag]
+            dist.barrier()
+            t = time.perf_counter()
+            rec = rs.accumulate(mbs)
+            rs.apply(step, reps + 1)
+            dt = time.perf_counter() - t
+            losses[flag].append(float(all_reduce_sum(rec["loss_sum"].clone(), [ps.dp_cp_group])))
+            if step:
+                times[flag].append(dt)
+    med = {f: (sorted(v)[len(v) // 2], min(v), max(v)) for f, v in times.items()}
+    return med, losses, steps[True].optimizer.overlap_log if flag_name == "overlap_grad_reduce" else None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--experts", type=int, default=4, help="replica experts sent to each peer")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--only", default="1,2,3,4", help="comma-separated sections to run")
+    ap.add_argument("--seqlen", type=int, default=256, help="tokens per row in [3] and [4]")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from parallel.testing import run_distributed
 
+    only = {int(x) for x in args.only.split(",")}
+    if only & {1, 2}:
+        _sections_1_2(args, run_distributed)
+    for sec, flag, pp, what in ((3, "overlap_grad_reduce", 1, f"dp{args.ranks} ZeRO-1 reduce-scatter in backward"),
+                                (4, "pp_batch_p2p", args.ranks, f"pp{args.ranks} batch_isend_irecv p2p")):
+        if sec not in only:
+            continue
+        res = run_distributed(_step_bench, args.ranks, flag, pp, args.reps, args.seqlen, timeout_s=900)
+        med, losses, log = res[0]
+        same = all(r[1][True] == r[1][False] for r in res)
+        extra = f", {len(log)} buckets issued during backward" if log is not None else ""
+        on, off = med[True], med[False]
+        print(f"[{sec}] {what} (parallel.{flag}), k3_tiny step, gloo x{args.ranks}, median of {args.reps}: on "
+              f"{on[0] * 1e3:.1f} ms / off {off[0] * 1e3:.1f} ms = {on[0] / off[0]:.3f} (min {on[1] / off[1]:.3f}; "
+              f"spread on {on[1] * 1e3:.0f}-{on[2] * 1e3:.0f}, off {off[1] * 1e3:.0f}-{off[2] * 1e3:.0f} ms); "
+              f"losses identical: {same}{extra}")
+
+
+def _sections_1_2(args, run_distributed):
     t, lt, same, nrep = run_distributed(_bench, args.ranks, args.experts, args.reps, timeout_s=600)[0]
     hidden = (t["seq"] - t["ovl"]) / t["fetch"]
     print(f"[1] gloo x{args.ranks}, {args.experts} k3_mini experts per peer (fp32): fetch {t['fetch'] * 1e3:.1f} ms, "

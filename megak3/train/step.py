@@ -73,10 +73,14 @@ class RankStep:
             check_schedule(par.pp_schedule, ps.pp_size, par.vp, grad_accum)
             self.engine = PipelineEngine(self.model, self.plan.stage_chunks, ps.pp_group, par.pp_schedule,
                                          seq_shard=(ps.tp_size if self.plan.sequence_parallel else 1) * ps.cp_size,
-                                         timeout_s=par.timeout_s)
+                                         timeout_s=par.timeout_s, batch_p2p=par.pp_batch_p2p)
         apply_quantization(self.model, job.quant)  # QAT hooks sit where the expert weights live
         self.model.recompute = t.recompute_mode()
-        self.optimizer = build_sharded_optimizer(self.model, job.optim, self.plan)
+        # gradient reduce-scatter behind the backward: only where nothing touches the grads or the DP
+        # group between backward and reduce_gradients (no TP partial sums, pipeline, EP or CP)
+        overlap = (par.overlap_grad_reduce and ps.tp_size == 1 and ps.pp_size == 1 and ps.ep_size == 1
+                   and ps.cp_size == 1)
+        self.optimizer = build_sharded_optimizer(self.model, job.optim, self.plan, overlap_grad_reduce=overlap)
         method = resolve_qb_method(mcfg.qb_method, t.global_batch_size * job.data.seq_len, mcfg.num_experts)
         self.balancers = [QBAccumulator(mcfg.num_experts, mcfg.top_k, method, mcfg.qb_bins, device=self.device)
                           for _ in self.model.moe_layers()] if mcfg.balancing == "quantile" else []
@@ -125,7 +129,9 @@ class RankStep:
             loss_sum = torch.as_tensor(loss, dtype=torch.float64, device=self.device)
         else:
             stats_per_mb, loss_sum = [], torch.zeros((), dtype=torch.float64, device=self.device)
-            for b in micro:
+            for k, b in enumerate(micro):
+                if k == len(micro) - 1:
+                    self.optimizer.start_grad_overlap()  # no-op unless parallel.overlap_grad_reduce
                 with self.autocast():
                     out = model(b["input_ids"], labels=b["labels"], cu_seqlens=b.get("cu_seqlens"),
                                 images=b.get("images"))

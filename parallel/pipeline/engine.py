@@ -19,7 +19,9 @@ any schedule the simulator completes runs without deadlock. Receives from one pe
 the order that peer sends them (known from its action list), so the per-pair FIFO order holds also
 on backends that ignore tags (NCCL); every message also has a unique tag. A receive that does not
 complete within ``timeout_s`` raises an error naming the stage, the message and the peer (a failed
-or hung neighbour never leaves this rank blocked forever).
+or hung neighbour never leaves this rank blocked forever). With ``batch_p2p`` the tensors of one
+payload (and the receives of every message posted at once) go out as one
+``dist.batch_isend_irecv`` (a coalesced group of operations; the same bytes, tags and order).
 
 Loss: virtual stage V - 1 backpropagates ``loss_sum / step_tokens`` per micro-batch (step_tokens =
 the global labelled-token count of the step), so gradients accumulate across micro-batches and
@@ -131,10 +133,12 @@ class PipelineEngine:
     schedule: one of schedules.SCHEDULES.
     seq_shard: the factor by which the token axis is sharded between stages (tp under SP, times cp).
     timeout_s: how long a receive may wait before the step fails with a clear error.
+    batch_p2p: post each payload's sends / receives with ``dist.batch_isend_irecv`` (parallel.pp_batch_p2p).
     """
 
     def __init__(self, model, chunks: Union[range, Sequence[range]], group=None, schedule: str = "1f1b",
-                 seq_shard: int = 1, timeout_s: float = 300.0, measure_memory: bool = False):
+                 seq_shard: int = 1, timeout_s: float = 300.0, measure_memory: bool = False,
+                 batch_p2p: bool = False):
         chunks = [chunks] if isinstance(chunks, range) else list(chunks)
         self.p = 1 if group is None else dist.get_world_size(group)
         self.r = 0 if group is None else dist.get_rank(group)
@@ -163,6 +167,7 @@ class PipelineEngine:
         self.seq_shard = seq_shard
         self.timeout = timedelta(seconds=float(timeout_s))
         self.measure_memory = measure_memory
+        self.batch_p2p = bool(batch_p2p)
         self.trace: List[tuple] = []
         self.max_inflight = 0
         """most (chunk, micro-batch) activation sets this rank held at once (last train_step)"""
@@ -222,9 +227,15 @@ class PipelineEngine:
             self._local[key] = tensors
             return
         t0 = time.perf_counter()
-        for j, t in enumerate(tensors):
-            work = dist.isend(t, self._global(dst), group=self.group, tag=self._tag(key, j))
-            self._sends.append((work, t))
+        peer = self._global(dst)
+        if self.batch_p2p:
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer, self.group, self._tag(key, j))
+                                            for j, t in enumerate(tensors)])
+            self._sends.extend((w, tensors) for w in works)  # one work per op, or one coalesced (NCCL)
+        else:
+            for j, t in enumerate(tensors):
+                work = dist.isend(t, peer, group=self.group, tag=self._tag(key, j))
+                self._sends.append((work, t))
         self.trace.append(("send_" + key[0], key[1] // self.p, key[2], t0, time.perf_counter()))
         self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
 
@@ -233,13 +244,26 @@ class PipelineEngine:
             return self._local.pop(key)
         src = self._rank_of(key[1] + (-1 if key[0] == "F" else 1))
         order = self._incoming[src]
+        peer = self._global(src)
+        batch = []
         while key not in self._posted:  # post in the sender's order
             k = order[self._next_post[src]]
             self._next_post[src] += 1
             bufs = [torch.empty(s, dtype=self.dtype, device=self.device) for s in self._shapes(k)]
-            works = [dist.irecv(b, self._global(src), group=self.group, tag=self._tag(k, j))
+            if self.batch_p2p:
+                batch.append((k, bufs))
+                self._posted[k] = None
+                continue
+            works = [dist.irecv(b, peer, group=self.group, tag=self._tag(k, j))
                      for j, b in enumerate(bufs)]
             self._posted[k] = (bufs, works)
+        if batch:  # every receive up to the needed one, one coalesced post
+            ops = [dist.P2POp(dist.irecv, b, peer, self.group, self._tag(k, j))
+                   for k, bufs in batch for j, b in enumerate(bufs)]
+            works = dist.batch_isend_irecv(ops)
+            it = iter(works)
+            for k, bufs in batch:  # one work per op, or one coalesced work for all (NCCL)
+                self._posted[k] = (bufs, [next(it) for _ in bufs] if len(works) == len(ops) else works)
         bufs, works = self._posted.pop(key)
         t0 = time.perf_counter()
         for w in works:

@@ -143,8 +143,7 @@ def format_plan(p) -> str:
         where = "inside activations" if m["stage"] == 0 else "stage 0, not the stage above"
         lines.append(f"  vision tower     {_g(v['activations_stage0'])}   ({where}; not checkpointed: {v['images_per_rank']} "
                      f"image(s) of {h}x{w} patches per rank per micro-batch x {p['stages'][0]['in_flight_micro_batches']:g} "
-                     f"in flight, {v['activation_bytes_per_image'] / GiB:.2f} GiB each, "
-                     f"{v['attention_scores_bytes_per_image'] / GiB:.2f} of it fp32 attention scores)")
+                     f"in flight, {v['activation_bytes_per_image'] / GiB:.2f} GiB each)")
     lines += [f"  KDA chunk states {_g(m['kda_states'])}   (inside activations)",
               f"  MoonEP buffers   {_g(m['moonep_buffers'])}",
               f"  MoonEP replicas  {_g(m['moonep_replica_buffers'])}   (persistent [E/ep + {m['moonep_replica_slots']}"

@@ -93,9 +93,9 @@ of square images of image_side px (default the position grid: 64 x 64 patches, 1
 vision_figures() has the load. The tower runs in stage 0's forward and is NOT activation-checkpointed
 (K3Model.run_layers checkpoints decoder layers only), so stage 0 keeps, for every micro-batch in
 flight, ceil(images per micro-batch / tp) whole images' saved tensors (TP round robin,
-parallel/tensor_parallel/image_split.py) -- vision_activation_bytes(), which is dominated by the
-fp32 [H, N, N] softmax of SDPA's math path (the tower passes 3-D q/k/v, which no fused kernel
-takes) -- and its largest block of one image as a backward transient. Step time: stage 0's compute
+parallel/tensor_parallel/image_split.py) -- vision_activation_bytes(), linear in the patches (the
+tower's attention runs a fused SDPA kernel: no [H, N, N] scores are kept) -- and its largest block
+of one image as a backward transient. Step time: stage 0's compute
 + 3 x the tower's forward FLOPs of the step (not recomputed) over the stage's ranks; its TP traffic
 + the all-gather of the merged tokens ((tp-1)/tp x vision tokens x hidden x activation bytes per
 micro-batch, forward only). MFU counts the tower's FLOPs. Images under CP are refused (as the
@@ -949,33 +949,26 @@ def vision_activation_bytes(cfg: ModelConfig, h: int, w: int, precision: str = "
       patch embedding  C p^2 l             the patchified copy (Linear input)
       each block       2 x RMSNorm (4D fp32 input + rD normalised + 4 B rstd) + 2 x D l (qkv, fc1 inputs)
                        + Q l (proj input) + 2 I l (GELU input and output)
-                       + attention: SDPA gets 3-D [H, N, K] q/k/v, and every fused kernel (flash,
-                         memory-efficient, CPU flash) needs 4-D inputs, so it runs the MATH path on
-                         CPU and GPU alike, which upcasts bf16 q/k/v to fp32 and saves the scaled q
-                         and k (2Q x 4), v (a view of the whole fp32 qkv output, 3Q x 4, with fp32
-                         Linears; else its fp32 copy, Q x 4) and the softmax [H, N, N] fp32: H N x 4
-                         per patch, quadratic in the image (27 x 12 x 4096 x 4 B = 5.3 MB per patch
-                         of a 64 x 64-patch image at K3; a flash kernel would save O(N))
+                       + attention: SDPA gets 4-D [1, H, N, K] q/k/v, so a fused kernel runs (CPU
+                         flash; on CUDA flash / memory-efficient), which saves q, k, v (views of the
+                         qkv output: 3Q l), the output (the proj input above: its [N, H, K] layout
+                         makes the reshape a view) and the fp32 logsumexp (H x 4) -- linear in N.
+                         (Before the tower passed 4-D inputs, the math path kept an fp32 [H, N, N]
+                         softmax: 5.3 MB per patch of a 64 x 64-patch image at K3.)
       final norm       4D + rD + 4
       merger           (4D + rD + lD) per patch (its norm on the merged copy, fc1 input) + (4 + 2 P l) / m^2
-    The merged tokens, the TP gather and the splice save nothing of size. Returns per_patch (all but
-    the scores), attention_scores (all layers, the whole image), per_block (one block, the whole
-    image, incl. its scores: the largest single module) and total."""
+    The merged tokens, the TP gather and the splice save nothing of size. Returns per_patch,
+    per_block (one block, the whole image: the largest single module) and total."""
     v = cfg.vision
     N, D, Q, I = h * w, v.hidden_size, v.num_heads * v.head_dim, v.intermediate_size
     m2, P = v.merge ** 2, v.projector_hidden
     lin = 2 if precision == "bf16" or param_dtype == "bf16" else 4
     res = 4 if param_dtype == "fp32" else 2
     norm = 4 * D + res * D + 4
-    value = 3 * Q * 4 if lin == 4 else Q * 4
-    block = 2 * (norm + D * lin) + Q * lin + 2 * I * lin + 2 * Q * 4 + value
-    scores = v.num_heads * N * 4                              # per patch per block
+    block = 2 * (norm + D * lin) + Q * lin + 2 * I * lin + 3 * Q * lin + v.num_heads * 4
     per_patch = (v.in_channels * v.patch_size ** 2 * lin + v.num_layers * block + norm
                  + 4 * D + res * D + lin * D + (4 + 2 * P * lin) / m2)
-    out = {"per_patch": float(per_patch), "attention_scores": float(v.num_layers * scores * N),
-           "per_block": float((block + scores) * N)}
-    out["total"] = out["per_patch"] * N + out["attention_scores"]
-    return out
+    return {"per_patch": float(per_patch), "per_block": float(block * N), "total": float(per_patch * N)}
 
 
 def vision_figures(cfg: ModelConfig, pc: PlanConfig) -> dict:
@@ -1013,7 +1006,7 @@ def vision_figures(cfg: ModelConfig, pc: PlanConfig) -> dict:
             "vision_tokens_per_step": pc.vision_fraction * tokens_step,
             "flops_per_patch_forward": fwd,
             "train_flops_per_step": 3.0 * fwd * pc.vision_fraction * tokens_step * v.merge ** 2,
-            "activation_bytes_per_image": act["total"], "attention_scores_bytes_per_image": act["attention_scores"],
+            "activation_bytes_per_image": act["total"],
             "activation_bytes_per_patch": act["total"] / patches, "block_bytes_per_image": act["per_block"],
             "activations_per_micro_batch": images_rank * act["total"],
             "gather_bytes_per_micro_batch": _ring(pc.tp) * vis_tokens_mb * cfg.hidden_size * a}

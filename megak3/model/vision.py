@@ -77,7 +77,10 @@ class VisionAttention(nn.Module):
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
         N = x_ND.shape[0]
         qkv = self.qkv(x_ND).view(N, 3, self.num_heads, self.head_dim).permute(1, 2, 0, 3)  # [3, H, N, K]
-        o_HNK = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])  # bidirectional: no mask
+        # 4-D [1, H, N, K]: the fused (flash / memory-efficient) SDPA kernels take only 4-D inputs;
+        # 3-D falls back to the math path, which keeps a full [H, N, N] fp32 softmax per layer
+        q, k, v = (t.unsqueeze(0) for t in qkv)
+        o_HNK = F.scaled_dot_product_attention(q, k, v)[0]  # bidirectional: no mask
         return self.proj(o_HNK.transpose(0, 1).reshape(N, self.num_heads * self.head_dim))
 
 

@@ -223,9 +223,9 @@ def _step_events():
     job = parity_job(1, 1, False, dict(PARITY_MODEL), 2, 32, 5, 1e-3, 3)
     rs = RankStep(job, ParallelState.single(), "cpu", grad_accum=1)
     spy = HostSyncSpy()
-    # clone = "move to the device"; cu_seqlens stays on the host, where make_seq_info does its index
-    # math (the production to_device moves it too, then make_seq_info copies it back: one small
-    # D2H copy per micro-batch, left to the owner of megak3/train/step.py)
+    # clone = "move to the device" (on CPU .to() is a no-op the spy cannot tell from a copy); like
+    # the production RankStep.to_device, cu_seqlens stays on the host, where make_seq_info does its
+    # index math
     rs.to_device = lambda b: {k: (v.clone() if torch.is_tensor(v) and k != "cu_seqlens" else v)
                               for k, v in b.items()}
 

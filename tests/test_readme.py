@@ -5,7 +5,8 @@ ways (``way`` decides; the test fails on a command it cannot place):
              parameter counts of k3_full on the meta device, --help)
   dry-run    tools/launch.py without --dry-run: run with --dry-run added (composes and validates)
   validate   a training command: its config composed and validated for its ranks, no training
-  help       an expensive tool (benchmarks, reports of a run): its --help runs
+  help       an expensive tool (benchmarks, reports of a run, the ~1 min million-token planner
+             searches that tests/test_plan_cp.py runs): its --help runs
   syntax     a shell script: ``bash -n``
   paths      the test suite or a compile step: the files it names exist
 """
@@ -56,6 +57,8 @@ def way(cmd: str) -> tuple:
     tool = argv[0]
     if tool == "tools/launch.py":
         return ("run" if "--dry-run" in argv else "dry-run"), argv
+    if tool == "tools/plan.py" and "--min-gpus" in argv and "data.seq_len=1048576" in argv:
+        return "help", argv  # a ~1 min search: tests/test_plan_cp.py runs the same one
     if tool in RUN or "--help" in argv:
         return "run", argv
     if tool.startswith("tools/") and tool.endswith(".py"):

@@ -1,36 +1,17 @@
 """train.recompute (megak3/model/recompute.py): 'full' and 'selective' recompute, they do not
 approximate — loss and every gradient equal 'none' on k3_tiny with packed documents (fp32) — and
 selective keeps fewer bytes than none and more than full across the forward."""
-import ctypes
 import gc
 
 import pytest
 import torch
 
 from megak3.config import load_model_config
+from megak3.metrics.telemetry import malloc_in_use_bytes
 from megak3.model.k3 import build_model
 from megak3.train.config import TrainConfig
 
 T = 512
-
-
-def _malloc_in_use():
-    """Bytes glibc's malloc has handed out (arenas + mmapped chunks): torch's CPU tensors live there.
-    Used instead of saved_tensors_hooks because a checkpointed region's own hooks hide its tensors
-    from an outer hook (the region's inputs are held by its closure, selective ones by its cache)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        fn = libc.mallinfo2
-    except (OSError, AttributeError):
-        return None
-
-    class MI2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in
-                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-
-    fn.restype = MI2
-    m = fn()
-    return m.uordblks + m.hblkhd
 
 
 def _run(mode):
@@ -45,10 +26,10 @@ def _run(mode):
     labels[:, -1] = -100
     cu = torch.tensor([0, 100, 300, T, T + 7, 2 * T], dtype=torch.int32)  # documents, one crossing rows
     gc.collect()
-    before = _malloc_in_use()
+    before = malloc_in_use_bytes()
     out = model(ids, labels, cu_seqlens=cu)
     gc.collect()
-    held = None if before is None else _malloc_in_use() - before
+    held = None if before is None else malloc_in_use_bytes() - before
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return float(out.loss.detach()), grads, held

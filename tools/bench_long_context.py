@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megak3.config import load_model_config  # noqa: E402
-from megak3.metrics.telemetry import peak_rss_bytes, reset_peak_rss  # noqa: E402
+from megak3.metrics.telemetry import malloc_in_use_bytes, peak_rss_bytes, reset_peak_rss  # noqa: E402
 from megak3.ops.kda_cp import comm_log  # noqa: E402
 from parallel.testing import run_distributed  # noqa: E402
 
@@ -93,34 +93,16 @@ def _layer_bytes(rs, b):
     return out
 
 
-def malloc_in_use():
-    """glibc malloc's bytes in use (arenas + mmapped chunks), None off glibc."""
-    import ctypes
-
-    try:
-        fn = ctypes.CDLL("libc.so.6").mallinfo2
-    except (OSError, AttributeError):
-        return None
-
-    class MI2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in
-                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-
-    fn.restype = MI2
-    m = fn()
-    return m.uordblks + m.hblkhd
-
-
 def _held_bytes(rs, b):
     """Bytes a forward of batch ``b`` leaves allocated for its backward (then runs the backward)."""
     import gc
 
     model = rs.model
     gc.collect()
-    m0 = malloc_in_use()
+    m0 = malloc_in_use_bytes()
     out = model(b["input_ids"], labels=b["labels"], cu_seqlens=b["cu_seqlens"])
     gc.collect()
-    m1 = malloc_in_use()
+    m1 = malloc_in_use_bytes()
     out.loss.backward()
     model.zero_grad(set_to_none=True)
     del out

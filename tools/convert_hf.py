@@ -60,7 +60,7 @@ from megak3.interop.hf_config import to_hf_config  # noqa: E402
 from megak3.interop.hf_names import (  # noqa: E402
     EXPERTS_FORMATS, HFTensor, canonical_shapes, hf_tensors, inventory_totals)
 from megak3.interop.mxfp4_pack import pack_mxfp4  # noqa: E402
-from megak3.metrics.telemetry import peak_rss_bytes, reset_peak_rss  # noqa: E402
+from megak3.metrics.telemetry import peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
 from megak3.train import checkpoint as ckpt  # noqa: E402
 
 PUBLIC_TOTALS = {"tensors": 497_220, "mxfp4_pairs": 247_296}
@@ -73,17 +73,6 @@ _ST_DTYPE = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16",
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def model_from_overrides(overrides) -> "ModelConfig":  # noqa: F821
@@ -283,7 +272,7 @@ def export(checkpoint, out_dir, overrides=(), experts: str = "mxfp4", dtype: str
     if tmp.exists():
         shutil.rmtree(tmp)  # the leftover of an export that died
     t0 = time.perf_counter()
-    rss0 = _rss_bytes()
+    rss0 = rss_bytes()
     can_reset = reset_peak_rss()
     try:
         tmp.mkdir(parents=True)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import resource
 import sys
 import time
 from pathlib import Path
@@ -42,11 +41,6 @@ def _plan_tool():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
 
 
 def sample_ranks(layout, pp: int) -> list:
@@ -97,7 +91,7 @@ def measure_rank(cfg, pcfg, moonep_cfg, optim_cfg, world: int, rank: int, materi
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from megak3.metrics.telemetry import peak_rss_bytes, reset_peak_rss
+    from megak3.metrics.telemetry import peak_rss_bytes, reset_peak_rss, rss_bytes
     from megak3.model.k3 import build_model
     from parallel.materialize import materialize
     from parallel.parallelize import parallelize
@@ -123,7 +117,7 @@ def measure_rank(cfg, pcfg, moonep_cfg, optim_cfg, world: int, rank: int, materi
                "checkpoint_bytes": saved_model + state_bytes, "build_s": round(time.perf_counter() - t0, 2)}
         if materialize_it:
             torch.set_num_threads(1)
-            before = _rss_bytes()
+            before = rss_bytes()
             reset_peak_rss()
             materialize(model, plan, seed=0, std=cfg.init_std, device="cpu")
             peak = peak_rss_bytes()

@@ -45,6 +45,39 @@ def peak_rss_bytes() -> int:
     return rss if sys.platform == "darwin" else rss * 1024  # macOS reports bytes, Linux KiB
 
 
+def rss_bytes() -> int:
+    """The process's resident set size now, in bytes (``VmRSS`` of /proc/self/status; 0 where
+    that file does not exist)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def malloc_in_use_bytes() -> Optional[int]:
+    """Bytes glibc's malloc has handed out and not freed (arena + mmapped chunks; ``mallinfo2``):
+    torch's CPU tensors live there, so a difference around a forward is what it keeps for the
+    backward. Unlike saved_tensors_hooks it also sees inside checkpointed regions. None off glibc."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+
+    class _MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in
+                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+    fn.restype = _MallInfo2
+    m = fn()
+    return m.uordblks + m.hblkhd
+
+
 def reset_peak_rss() -> bool:
     """Restart the resident high-water mark at the current RSS (Linux ``clear_refs`` 5); False
     where that is not possible (the peak then covers the whole process life)."""

@@ -2,10 +2,8 @@
 hand-computed values and against the bytes the real KDA / MLA layers send under CP (comm_log,
 threaded ranks), cp = 1 plans unchanged, no T^2 term under CP, validation, and the million-token
 --min-gpus layouts (cp > 1, fitting)."""
-import importlib.util
 import math
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,16 +12,9 @@ import torch.distributed as dist
 from megak3.config import load_model_config
 from megak3.launch import planner as P
 from megak3.launch.hardware import load_hardware
+from test_plan import _tool  # tools/plan.py loaded as a module
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = {"vision.enabled": False}
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("plan_tool", ROOT / "tools" / "plan.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_cp_traffic_and_memory_by_hand():

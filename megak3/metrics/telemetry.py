@@ -30,17 +30,25 @@ def peak_memory_mb() -> float:
     return peak_rss_bytes() / 2**20
 
 
+def _proc_status_bytes(field: str) -> Optional[int]:
+    """``field`` (a kB line such as VmHWM or VmRSS) of /proc/self/status in bytes; None without it."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def peak_rss_bytes() -> int:
     """The process's resident high-water mark in bytes: ``VmHWM`` of /proc/self/status on Linux
     (this address space only), else ``getrusage``'s ru_maxrss. Linux carries ru_maxrss across
     exec, so a process started by a large parent (a pytest worker) would report the parent's peak."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    hwm = _proc_status_bytes("VmHWM")
+    if hwm is not None:
+        return hwm
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024  # macOS reports bytes, Linux KiB
 
@@ -48,14 +56,7 @@ def peak_rss_bytes() -> int:
 def rss_bytes() -> int:
     """The process's resident set size now, in bytes (``VmRSS`` of /proc/self/status; 0 where
     that file does not exist)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _proc_status_bytes("VmRSS") or 0
 
 
 def malloc_in_use_bytes() -> Optional[int]:

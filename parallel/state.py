@@ -76,6 +76,10 @@ class ParallelState:
     ep_etp_size: int = 1
     ep_etp_rank: int = 0
 
+    host_group: Optional[ProcessGroup] = None
+    """every rank, on a host (gloo) backend: control flags such as the preemption request agree
+    over it without waiting for the device (the world group itself unless the backend is nccl)"""
+
     @staticmethod
     def single() -> "ParallelState":
         """One process: every group None, every size 1, every rank 0."""
@@ -148,6 +152,8 @@ def init_parallel(cfg: ParallelConfig, backend: Optional[str] = None,
                 made[key] = dist.new_group(list(ranks), timeout=timeout)
             if rank in ranks:
                 fields[f"{axis}_group"] = made[key]
+    fields["host_group"] = (dist.new_group(list(range(world_size)), timeout=timeout, backend="gloo")
+                            if dist.get_backend() == "nccl" else dist.group.WORLD)
     return ParallelState(layout=layout, rank=rank, world_size=world_size, **fields)
 
 

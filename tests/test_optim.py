@@ -395,3 +395,80 @@ def test_validate_wsd_overlap():
     cfg = OptimConfig(schedule="wsd", warmup_steps=95, decay_fraction=0.1)
     with pytest.raises(ValueError, match="optim.decay_fraction"):
         cfg.validate(max_steps=100)
+
+
+# ---- the device-side non-finite skip (found_inf, torch's GradScaler protocol) -------------------
+def test_fused_adamw_is_bitwise_the_foreach_form():
+    """build_optimizer's AdamW is fused (it reads found_inf on the device); on CPU its numbers are
+    the foreach form's, bit for bit."""
+    torch.manual_seed(0)
+    a = nn.Parameter(torch.randn(64, 48))
+    b = nn.Parameter(a.detach().clone())
+    fused = torch.optim.AdamW([a], lr=1e-3, weight_decay=0.1, fused=True)
+    foreach = torch.optim.AdamW([b], lr=1e-3, weight_decay=0.1, foreach=True)
+    for s in range(5):
+        g = torch.randn(64, 48, generator=gen(s))
+        a.grad, b.grad = g.clone(), g.clone()
+        fused.step()
+        foreach.step()
+    assert torch.equal(a, b)
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8))
+    assert build_optimizer(model, OptimConfig()).adamw.param_groups[0]["fused"] is True
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_found_inf_zero_is_bitwise_the_plain_step_and_one_changes_nothing(nesterov):
+    torch.manual_seed(1)
+    w = [nn.Parameter(torch.randn(24, 40)) for _ in range(2)]
+    w[1].data.copy_(w[0].data)
+    plain, flagged = (Muon([p], lr=0.02, nesterov=nesterov, ns_dtype="float32") for p in w)
+    flagged.found_inf = torch.zeros(())
+    for s in range(3):
+        g = torch.randn(24, 40, generator=gen(10 + s))
+        w[0].grad, w[1].grad = g.clone(), g.clone()
+        plain.step()
+        flagged.step()
+    assert torch.equal(w[0], w[1])
+    before, buf = w[1].detach().clone(), flagged.state[w[1]]["momentum_buffer"].clone()
+    flagged.found_inf = torch.ones(())
+    w[1].grad = torch.full_like(w[1], float("nan"))
+    w[1].grad[0, 0] = float("inf")
+    flagged.step()
+    assert torch.equal(w[1], before) and torch.equal(flagged.state[w[1]]["momentum_buffer"], buf)
+
+
+def test_skipped_step_is_bitwise_a_step_that_never_happened():
+    """RankStep: a step whose gradients hold a NaN is skipped on the device (no host read) and
+    leaves params, optimizer state and QB biases exactly as if it had not run: the run with the
+    poisoned step in the middle ends bitwise equal to the run without it."""
+    from megak3.train.step import RankStep
+    from parallel.parity import PARITY_MODEL, global_batch, local_rows, parity_job
+    from parallel.state import ParallelState
+
+    def run(poison: bool):
+        torch.manual_seed(0)
+        job = parity_job(1, 1, False, dict(PARITY_MODEL), 2, 32, 5, 1e-3, 4)
+        rs = RankStep(job, ParallelState.single(), "cpu", grad_accum=1)
+        out = []
+        for i in ([0, 1, 2] if poison else [0, 2]):
+            ids, labels, _ = global_batch(i, 2, 32, job.model.vocab_size)
+            ids, labels, cu = local_rows(ids, labels, 0, 1)
+            rs.accumulate([{"input_ids": ids, "labels": labels, "cu_seqlens": cu}])
+            if i == 1:
+                next(p for p in rs.model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+            out.append(bool(rs.apply(i, 4)["skipped"]))
+        state = {n: t.detach().clone() for n, t in rs.model.state_dict().items()}
+        opt = [copy.deepcopy(o.state_dict()["state"]) for o in rs.optimizer.optimizers]
+        return out, state, opt
+
+    flags, state, opt = run(True)
+    assert flags == [False, True, False]
+    ref_flags, ref_state, ref_opt = run(False)
+    assert ref_flags == [False, False]
+    assert state.keys() == ref_state.keys()
+    assert all(torch.equal(state[k], ref_state[k]) for k in state), \
+        [k for k in state if not torch.equal(state[k], ref_state[k])]
+    for a, b in zip(opt, ref_opt):
+        for k in a:
+            for key in a[k]:
+                assert torch.equal(a[k][key], b[k][key]), (k, key)

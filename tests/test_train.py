@@ -139,6 +139,27 @@ def test_cli_trains_and_resumes(corpus_dataset, tmp_path):
     assert "resumed from" in r.stdout and "step_00000002" in r.stdout
 
 
+def test_nonfinite_stop_is_checked_at_log_steps(corpus_dataset, tmp_path):
+    """Between log steps the loop never reads the skip flag (no host sync): with log_interval=4 the
+    stop comes at the first log step, naming the step that crossed train.max_nonfinite_steps, and
+    the window's skipped steps are all logged and changed nothing."""
+    from megak3.train.trainer import NonFiniteError
+
+    job = make_job(corpus_dataset, tmp_path, optim_lr=1e6, max_steps=12, max_nonfinite_steps=1,
+                   eval_batches=0)
+    job.optim.warmup_steps = 0
+    job.logging.log_interval = 4
+    tr = Trainer(job, tmp_path)
+    with pytest.raises(NonFiniteError) as err:
+        tr.fit()
+    train = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"train"' in l]
+    skipped = [r["step"] for r in train if r["skipped_nonfinite"]]
+    assert tr.step % 4 == 0 and len(train) == tr.step  # stopped at a log step, every step logged
+    assert len(skipped) >= 2 and str(err.value).startswith(f"step {skipped[1]}: ")
+    assert tr.nonfinite_steps == len(skipped)
+    assert all(torch.isfinite(p).all() for p in tr.model.parameters())
+
+
 def test_nonfinite_steps_are_skipped_counted_and_never_saved(corpus_dataset, tmp_path):
     """optim.lr=1e6: diverging steps change nothing, are counted, and the run stops with one line
     naming the step; every checkpoint written holds only finite values."""

@@ -5,7 +5,8 @@ and SIGTERM when it preempts or cancels the job. A signal handler may run betwee
 bytecodes, so it only sets a flag. The training loop asks :meth:`PreemptionHandler.requested`
 after every optimizer step; that call all-reduces the flag (MAX) over the world, so every rank
 sees the same answer at the same step even when only some ranks got the signal (or got it a
-step later). The loop then saves a checkpoint, closes its logger and raises :class:`Preempted`;
+step later). The trainer passes ``ParallelState.host_group`` (gloo, CPU tensors), so under NCCL
+the per-step check waits for the other ranks' host threads, never for the GPU. The loop then saves a checkpoint, closes its logger and raises :class:`Preempted`;
 the entry point (``python -m megak3.train``) exits with :data:`REQUEUE_EXIT_CODE`, on which the
 sbatch script runs ``scontrol requeue``; the requeued job resumes with ``train.resume=auto``.
 Under several ranks the signal goes to ``python -m megak3.launch.torchrun``, which passes it to

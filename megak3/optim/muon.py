@@ -123,11 +123,20 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One Muon update of every parameter that has a gradient."""
+        """One Muon update of every parameter that has a gradient.
+
+        Device-side skip (torch's GradScaler protocol, as ``torch.optim.AdamW(fused=True)`` reads
+        it): when the attribute ``found_inf`` is a 0-dim tensor, a value != 0 makes this step change
+        nothing (no parameter, no momentum) without reading the flag on the host: the gradient is
+        replaced by zeros, the momentum decay and the update are multiplied by the flag. The same
+        collectives run either way (TP-shard gathers), so ranks stay in step.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf = getattr(self, "found_inf", None)
+        ok = None if found_inf is None else found_inf == 0
         for group in self.param_groups:
             lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
             ns_dtype = getattr(torch, group["ns_dtype"])
@@ -139,7 +148,12 @@ class Muon(torch.optim.Optimizer):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(g)
                 buf = state["momentum_buffer"]
-                buf.mul_(mu).add_(g)
+                if ok is not None:
+                    ok_d = ok.to(g.device)
+                    g = torch.where(ok_d, g, 0.0)   # NaN/inf never reaches the state
+                    buf.mul_(torch.where(ok_d, mu, 1.0).to(buf.dtype)).add_(g)
+                else:
+                    buf.mul_(mu).add_(g)
                 update = g.add(buf, alpha=mu) if group["nesterov"] else buf
                 shard = self.tp_shards.get(id(p)) if heads is None else None
                 if shard is not None:
@@ -150,8 +164,14 @@ class Muon(torch.optim.Optimizer):
                 if shard is not None:
                     ortho = ortho.chunk(len(_group_ranks(shard[1])), dim=shard[0])[rank]
                 # Decoupled weight decay uses the unscaled η (Moonlight); the update uses the block scale.
-                p.mul_(1.0 - lr * wd)
-                p.add_(ortho.to(p.dtype), alpha=-lr * scale)
+                if ok is not None:
+                    ok_p = ok.to(p.device)
+                    p.mul_(torch.where(ok_p, 1.0 - lr * wd, 1.0).to(p.dtype))
+                    # addcmul with a 0-dim factor rounds like add_(alpha=): bitwise the unflagged path
+                    p.addcmul_(ortho.to(p.dtype), torch.where(ok_p, -lr * scale, 0.0).to(p.dtype))
+                else:
+                    p.mul_(1.0 - lr * wd)
+                    p.add_(ortho.to(p.dtype), alpha=-lr * scale)
         return loss
 
 

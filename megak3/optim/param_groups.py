@@ -28,6 +28,7 @@ from torch import nn
 
 from .config import OptimConfig
 from .muon import Muon
+from .offload import host_adamw
 
 ADAMW_DECAY_MODULES = ("embed_tokens", "lm_head")
 """name components whose params go to AdamW with weight decay (Moonlight keeps them off Muon)"""
@@ -108,13 +109,14 @@ def classify_parameters(model: nn.Module, per_head_muon: bool = True) -> list[Pa
 
 
 class MuonWithAdamW:
-    """One optimizer object over a :class:`Muon` and a ``torch.optim.AdamW`` (either may be None).
+    """One optimizer object over a :class:`Muon` and a ``torch.optim.AdamW`` (either may be None;
+    under ``optim.offload=cpu`` the AdamW is its host-memory twin, megak3/optim/offload.py).
 
     ``param_groups`` concatenates both optimizers' group dicts (the same objects), so setting
     ``group['lr']`` (e.g. :func:`megak3.optim.set_lr`) drives both.
     """
 
-    def __init__(self, muon: Muon | None, adamw: torch.optim.AdamW | None, specs: list[ParamSpec]):
+    def __init__(self, muon: Muon | None, adamw: torch.optim.Optimizer | None, specs: list[ParamSpec]):
         self.muon, self.adamw = muon, adamw
         self.specs = specs
 
@@ -155,6 +157,10 @@ class MuonWithAdamW:
         return out
 
 
+_FUSED_DEVICES = ("cpu", "cuda")
+"""devices where ``torch.optim.AdamW(fused=True)`` runs (and reads ``found_inf`` without a host sync)"""
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> MuonWithAdamW:
     """Muon + AdamW over ``model``'s trainable params with one lr η and one λ (Moonlight)."""
     cfg.validate()
@@ -171,6 +177,12 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> MuonWithAdamW:
             adam_groups.append({"params": [s.param for s in ad], "weight_decay": decay})
     muon = Muon(muon_groups, lr=cfg.lr, momentum=cfg.muon_momentum, nesterov=cfg.nesterov,
                 ns_steps=cfg.ns_steps, ns_dtype=cfg.ns_dtype) if muon_groups else None
+    # fused: one kernel per step, and it honours ``found_inf`` on the device (the non-finite skip of
+    # megak3/train/step.py); bitwise equal to the foreach form on CPU (tests/test_optim.py)
+    fused = bool(adam_groups) and all(p.device.type in _FUSED_DEVICES and p.dtype.is_floating_point
+                                      for g in adam_groups for p in g["params"])
     adamw = torch.optim.AdamW(adam_groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                              eps=cfg.adam_eps) if adam_groups else None
+                              eps=cfg.adam_eps, fused=fused or None) if adam_groups else None
+    if adamw is not None and cfg.offload == "cpu":  # same groups, state and update in host memory
+        adamw = host_adamw(adamw, cfg.offload_impl)
     return MuonWithAdamW(muon, adamw, specs)

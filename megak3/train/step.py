@@ -11,7 +11,7 @@ engine, QAT hooks, the ZeRO-1 optimizer and the Quantile-Balancing accumulators.
     apply(step, max_steps)      ZeRO-1 reduce-scatter, global-norm clip, Muon/AdamW, all-gather,
                                 then the QB bias update from the step's router statistics; a
                                 step whose global gradient norm is NaN/inf changes nothing
-                                (``skipped``)
+                                (``skipped``, decided on the device: no host sync)
 
 Loss contract: each micro-batch backpropagates ``loss_sum / step_tokens`` where step_tokens is the
 step's labelled-token count over the data-parallel group, so gradients are sums over
@@ -80,7 +80,10 @@ class RankStep:
         # group between backward and reduce_gradients (no TP partial sums, pipeline, EP or CP)
         overlap = (par.overlap_grad_reduce and ps.tp_size == 1 and ps.pp_size == 1 and ps.ep_size == 1
                    and ps.cp_size == 1)
-        self.optimizer = build_sharded_optimizer(self.model, job.optim, self.plan, overlap_grad_reduce=overlap)
+        # parameter all-gather behind the next forward: under every layout (its own communicators,
+        # all issued before any is waited for; parallel/data_parallel.py)
+        self.optimizer = build_sharded_optimizer(self.model, job.optim, self.plan, overlap_grad_reduce=overlap,
+                                                 overlap_param_gather=par.overlap_param_gather)
         method = resolve_qb_method(mcfg.qb_method, t.global_batch_size * job.data.seq_len, mcfg.num_experts)
         self.balancers = [QBAccumulator(mcfg.num_experts, mcfg.top_k, method, mcfg.qb_bins, device=self.device)
                           for _ in self.model.moe_layers()] if mcfg.balancing == "quantile" else []
@@ -155,31 +158,36 @@ class RankStep:
     def apply(self, step: int, max_steps: int) -> dict:
         """Reduce over DP, clip by the global norm, Muon/AdamW step at the LR of ``step`` (0-based),
         then the Quantile-Balancing update. Returns ``lr``, ``grad_norm`` (a device tensor) and
-        ``skipped``: True when the norm is NaN/inf, in which case gradients and QB statistics are
-        dropped and no parameter, optimizer state or bias changes."""
+        ``skipped``: a 0-dim bool DEVICE tensor, True when the norm is NaN/inf, in which case no
+        parameter, optimizer state or bias changes and the step's QB statistics are dropped.
+
+        The skip is decided on the device, without a host sync: the flag goes to every optimizer as
+        ``found_inf`` (torch's GradScaler protocol: ``AdamW(fused=True)`` and :class:`~megak3.optim.Muon`
+        read it in their kernels), and the new QB bias is selected with ``torch.where``. The same
+        collectives run whether or not the step is skipped, so ranks never diverge."""
         job, opt = self.job, self.optimizer
         opt.reduce_gradients()
         clip = job.optim.grad_clip
         gnorm = opt.clip_grad_norm_(clip if clip > 0 else float("inf"))
         lr = lr_at(step, job.optim, max_steps)
-        # the global norm is identical on every rank, and a NaN/inf loss makes it NaN/inf: one flag,
-        # read on the host once (clip_grad_norm_ already synchronises on its boolean mask)
-        if not bool(torch.isfinite(gnorm)):
-            opt.zero_grad(set_to_none=True)
-            for acc in self.balancers:
-                acc.reset()
-            return {"lr": lr, "grad_norm": gnorm, "skipped": True}
+        # the global norm is identical on every rank, and a NaN/inf loss makes it NaN/inf
+        skipped = ~torch.isfinite(gnorm)
+        found_inf = skipped.float()
+        for o in opt.optimizers:
+            o.found_inf = found_inf
         set_lr(opt, lr)
         opt.step()
+        for o in opt.optimizers:
+            o.found_inf = None
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():  # new selection biases for the next step, identical on every rank
             for acc, m in zip(self.balancers, self.model.moe_layers()):
                 for g in self.plan.token_groups:
                     reduce_balancer(acc, g)
                 bias = m.gate.e_score_correction_bias
-                bias.copy_(acc.solve(bias))
+                bias.copy_(torch.where(skipped.to(bias.device), bias, acc.solve(bias)))
                 acc.reset()
-        return {"lr": lr, "grad_norm": gnorm, "skipped": False}
+        return {"lr": lr, "grad_norm": gnorm, "skipped": skipped}
 
 
 def build_rank(job: JobConfig, ps: Optional[ParallelState] = None, device="cpu",

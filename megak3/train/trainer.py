@@ -315,12 +315,13 @@ class Trainer:
         gn = torch.stack([torch.as_tensor(p["grad_norm"], dtype=torch.float64, device=self.device).reshape(())
                           for p in pend])
         vis = torch.stack([torch.stack([p["images"].reshape(()), p["vision_tokens"].reshape(())]) for p in pend])
-        host = torch.cat([vec, mv, gn[:, None], vis], dim=1).tolist()  # the one host sync of the window
-        out = []
-        for p, (loss_sum, tokens, mv_sum, mv_n, g, images, vtok) in zip(pend, host):
+        skipped = torch.stack([torch.as_tensor(p["skipped"], device=self.device).reshape(()) for p in pend])
+        host = torch.cat([vec, mv, gn[:, None], vis, skipped[:, None].to(vec.dtype)], dim=1).tolist()
+        out = []  # ^ the one host sync of the window
+        for p, (loss_sum, tokens, mv_sum, mv_n, g, images, vtok, skip) in zip(pend, host):
             out.append({"step": p["step"], "loss": loss_sum / max(tokens, 1.0), "lr": p["lr"], "grad_norm": g,
                         "expert_load_max_violation": mv_sum / mv_n if mv_n else 0.0,
-                        "skipped_nonfinite": int(p["skipped"])})
+                        "skipped_nonfinite": int(skip)})
             if self.has_images:
                 out[-1].update(images=int(images), vision_tokens=int(vtok))
         return out
@@ -328,25 +329,30 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step; its metrics stay on the device until :meth:`flush_metrics`.
 
-        A step with a NaN/inf global gradient norm changes nothing and is counted; under
-        ``train.nonfinite=stop``, or past ``train.max_nonfinite_steps`` such steps, the run stops
-        with :class:`NonFiniteError` (one line, naming the step)."""
+        A step with a NaN/inf global gradient norm changes nothing (decided on the device, see
+        :meth:`RankStep.apply`); such steps are counted when the log window is reduced
+        (:meth:`_count_nonfinite`), so the loop never waits on the device between log steps."""
         rec = self.accumulate_gradients(self.next_micro_batches())
         rec.update(self.optimizer_step())
         rec["step"] = self.step
         self._pending.append(rec)
-        if rec["skipped"]:
-            t, o = self.job.train, self.job.optim
-            self.nonfinite_steps += 1
-            if t.nonfinite == "stop" or self.nonfinite_steps > t.max_nonfinite_steps:
-                why = ("train.nonfinite=stop" if t.nonfinite == "stop" else
-                       f"more than train.max_nonfinite_steps={t.max_nonfinite_steps} skipped")
-                raise NonFiniteError(
-                    f"step {self.step}: the loss / gradient norm is NaN or inf ({self.nonfinite_steps} such "
-                    f"step(s), {why}); the run diverged: lower optim.lr={o.lr:g}, raise "
-                    f"optim.warmup_steps={o.warmup_steps} or set optim.grad_clip (no checkpoint holds "
-                    "a non-finite value)")
         return rec
+
+    def _count_nonfinite(self, step: int) -> None:
+        """Count a skipped step (read with the log window's metrics); under ``train.nonfinite=stop``,
+        or past ``train.max_nonfinite_steps`` such steps, raise :class:`NonFiniteError` (one line,
+        naming the step). Checked at log steps: the steps run since then changed nothing if their
+        norms were non-finite too (each step is skipped on the device on its own)."""
+        t, o = self.job.train, self.job.optim
+        self.nonfinite_steps += 1
+        if t.nonfinite == "stop" or self.nonfinite_steps > t.max_nonfinite_steps:
+            why = ("train.nonfinite=stop" if t.nonfinite == "stop" else
+                   f"more than train.max_nonfinite_steps={t.max_nonfinite_steps} skipped")
+            raise NonFiniteError(
+                f"step {step}: the loss / gradient norm is NaN or inf ({self.nonfinite_steps} such "
+                f"step(s), {why}); the run diverged: lower optim.lr={o.lr:g}, raise "
+                f"optim.warmup_steps={o.warmup_steps} or set optim.grad_clip (no checkpoint holds "
+                "a non-finite value)")
 
     def _expert_load_window(self) -> dict:
         """Expert-load metrics of the logging window (the one host sync of the statistics).
@@ -408,9 +414,14 @@ class Trainer:
         self.last_metrics = {}
         clock = Throughput()
         # SIGTERM / SIGUSR1 (SLURM preemption, time limit): checkpoint at the next step, exit 75
-        preempt = PreemptionHandler(device=self.device).install()
+        # the flag agrees over a host (gloo) group: no device sync at the per-step check
+        host = self.ps.host_group
+        preempt = PreemptionHandler(group=host, device=torch.device("cpu") if host is not None else self.device).install()
         try:
             self._loop(logger, gpu, clock, preempt)
+        except NonFiniteError:
+            logger.close()
+            raise
         finally:
             preempt.uninstall()
         logger.close()
@@ -420,11 +431,16 @@ class Trainer:
     def _log_window(self, logger, gpu, clock, window_tokens: int, window_steps: int) -> None:
         """Reduce the pending steps' metrics (one collective per group) and log each step."""
         records = self.flush_metrics()
+        stop = None  # a NonFiniteError, raised once the whole window is logged
         for i, m in enumerate(records):
             step = m.pop("step")
             if m["skipped_nonfinite"]:
                 logger.write(f"step {step}: loss {m['loss']:.4g}, grad norm {m['grad_norm']:.4g}: not finite, "
-                             f"step skipped ({self.nonfinite_steps} so far)")
+                             f"step skipped ({self.nonfinite_steps + 1} so far)")
+                try:
+                    self._count_nonfinite(step)
+                except NonFiniteError as e:
+                    stop = stop or e
             self.history.append({"step": step, "loss": m["loss"]})
             if i == len(records) - 1:  # window figures go with the window's last step
                 m.update(clock.step(window_tokens, window_steps))
@@ -438,17 +454,14 @@ class Trainer:
                     m.update(gpu.sample())
             logger.log(step, m)
             self.last_metrics = m
+        if stop is not None:
+            raise stop
 
     def _loop(self, logger, gpu, clock, preempt) -> None:
         job, t = self.job, self.job.train
         window_tokens, window_steps = 0, 0
         while self.step < t.max_steps:
-            try:
-                rec = self.train_step()
-            except NonFiniteError:
-                self._log_window(logger, gpu, clock, window_tokens, 1)
-                logger.close()
-                raise
+            rec = self.train_step()
             window_tokens += rec.pop("tokens")
             window_steps += 1
             boundary = self.step == t.max_steps

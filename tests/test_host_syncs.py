@@ -209,7 +209,8 @@ def test_moonep_layer_has_one_host_read_on_gloo():
 ELSEWHERE = {
     "ops/kda.py": "pure-torch chunked KDA, the CPU twin (CUDA runs fla chunk_kda): offsets .tolist(), "
                   "pad.any(), the gate-range check float(aminmax)",
-    "ops/attention.py": "chunk-pair skipping of the CPU MLA twin (CUDA with documents runs FlexAttention)",
+    "ops/attention.py": "chunk-pair skipping of the CPU MLA twin (CUDA with documents or a CP query offset runs "
+                        "FlexAttention)",
 }
 
 def _step_events():

@@ -10,7 +10,8 @@ Parts (each compares a fast path with its twin measured in the same run, or meas
                    inputs, vs our chunked KDA in fp32 on the same values (with and without documents);
                    output and final state within a bf16 tolerance; time ratio
   b mla_attention  megak3/ops/attention.py ``attention()`` (SDPA without documents, FlexAttention with
-                   them on CUDA) vs ``reference_attention`` (dense fp32) and ``chunked_attention``,
+                   them or with a CP query offset on CUDA) vs ``reference_attention`` (dense fp32)
+                   and ``chunked_attention``,
                    outputs and input gradients; peak memory of forward+backward at T and T/4 (64K and
                    16K; --quick 16K and 4K): ratio ~4 means memory linear in T, ~16 quadratic
   c grouped_gemm   megak3/model/moe.py ``grouped_linear``: tiled fp32 and grouped_mm bf16 (direct and
@@ -231,6 +232,16 @@ def part_mla_attention(dev, quick, ctx):
                 chk.close(f"{dt_name}/{case}/attention_vs_reference", o.float(), ro, tol)
                 for n, a, b in zip("qkv", gr, rgr):
                     chk.close(f"{dt_name}/{case}/d{n}", a.float(), b, tol)
+            # a CP rank's queries (the second half) against all keys: FlexAttention's offset mask on CUDA
+            off = T // 2
+            q_in, rq_in = ins[0][:, :, off:].detach().requires_grad_(), ref_in[0][:, :, off:].detach().requires_grad_()
+            o, gr = _grads(lambda q, k, v: A.attention(q, k, v, scale, doc, q_offset=off), [q_in] + ins[1:],
+                           do[:, :, off:].to(dt))
+            ro, rgr = _grads(lambda q, k, v: A.reference_attention(q, k, v, scale, doc, q_offset=off),
+                             [rq_in] + ref_in[1:], do[:, :, off:].to(dt).float())
+            chk.close(f"{dt_name}/docs_q_offset/attention_vs_reference", o.float(), ro, tol)
+            for n, a, b in zip("qkv", gr, rgr):
+                chk.close(f"{dt_name}/docs_q_offset/d{n}", a.float(), b, tol)
             if dt_name == "fp32":   # the CPU twin itself, on the same device
                 co = A.chunked_attention(*[x.detach() for x in ref_in], scale, doc, 64, 64)
                 ro = A.reference_attention(*[x.detach() for x in ref_in], scale, doc)

@@ -29,10 +29,13 @@ the probabilities chunk pair by chunk pair, so forward and backward both use O(T
 
 ``attention`` is the entry point: without document ids it calls
 ``F.scaled_dot_product_attention(is_causal=True)`` on any device (its CPU and CUDA flash kernels keep
-memory linear in T); on CUDA with document ids it calls a compiled
-FlexAttention with a document block mask when ``torch.nn.attention.flex_attention`` imports (this path
-has not been run by the tests: they run on CPU; if it raises, a warning is issued once and the chunked
-path is used from then on); with document ids elsewhere it calls ``chunked_attention``.
+memory linear in T); on CUDA with document ids or a query offset (context parallelism) it calls
+``flex_attention_twin``: a compiled FlexAttention with a causal document block mask, offset by
+``q_offset``, when ``torch.nn.attention.flex_attention`` imports (if it raises, a warning is issued
+once and the chunked path is used from then on); elsewhere it calls ``chunked_attention``. The block
+mask (``flex_block_mask``) is tested on CPU against the chunked and dense twins with torch's eager
+FlexAttention (forward: torch 2.13 has no FlexAttention backward on CPU); the compiled CUDA kernel
+and its backward run in tools/gpu_check.py.
 """
 from __future__ import annotations
 
@@ -235,50 +238,76 @@ def chunked_attention(q_BHTK, k_BHTK, v_BHTV, scale: float, doc_ids_BT: Optional
 
 @functools.lru_cache(maxsize=None)
 def _flex_functions():
-    """(compiled flex_attention, create_block_mask), or None when FlexAttention does not import."""
+    """(compiled flex_attention, eager flex_attention, create_block_mask), or None when FlexAttention
+    does not import."""
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except Exception:  # noqa: BLE001 - any import failure means: not available
         return None
-    return torch.compile(flex_attention, dynamic=False), create_block_mask
+    return torch.compile(flex_attention, dynamic=False), flex_attention, create_block_mask
 
 
 _flex_failed = False
+_block_mask_cache: list = []
+"""one entry ``(key, doc_BT, block_mask)``: the MLA layers of one forward share their document ids
+(and, under CP, their query offset), so the block mask is built once per forward, not per layer;
+the entry holds ``doc_BT`` so its id cannot be reused while cached"""
 
 
-def _flex_document_attention(q, k, v, doc_BT, scale):
-    """FlexAttention with a causal document block mask (CUDA only; not exercised by the CPU tests)."""
-    flex, create_block_mask = _flex_functions()
-    B, _, T, _ = q.shape
+def flex_block_mask(doc_BT: Optional[torch.Tensor], B: int, Tq: int, Tk: int, q_offset: int, device):
+    """The causal (same-document when ``doc_BT`` [B, Tk] is given) block mask of ``Tq`` queries at
+    ``q_offset`` among ``Tk`` keys: key j is visible to query i iff ``j <= i + q_offset`` and both
+    tokens belong to the same document (the mask of :func:`reference_attention`)."""
+    create_block_mask = _flex_functions()[2]
+    key = (id(doc_BT), None if doc_BT is None else doc_BT._version, B, Tq, Tk, q_offset, str(device))
+    if _block_mask_cache and _block_mask_cache[0][0] == key:
+        return _block_mask_cache[0][2]
+    if doc_BT is None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx + q_offset
+    else:
+        doc_q = doc_BT[:, q_offset:q_offset + Tq]
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (doc_BT[b, q_idx] == doc_BT[b, kv_idx])
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx + q_offset) & (doc_q[b, q_idx] == doc_BT[b, kv_idx])
+    bm = create_block_mask(mask_mod, B, None, Tq, Tk, device=device)
+    _block_mask_cache[:] = [(key, doc_BT, bm)]
+    return bm
 
-    block_mask = create_block_mask(mask_mod, B, None, T, T, device=q.device)
-    return flex(q, k, v, block_mask=block_mask, scale=scale)
+
+def flex_attention_twin(q_BHTK, k_BHTK, v_BHTV, scale: float, doc_ids_BT: Optional[torch.Tensor] = None,
+                        q_offset: int = 0, compiled: bool = True) -> torch.Tensor:
+    """Causal same-document attention by FlexAttention (block-sparse: fully masked blocks are never
+    computed; memory linear in T), the GPU form of :func:`chunked_attention` with the same arguments.
+    ``compiled=False`` runs torch's eager FlexAttention (dense scores: for testing the mask on CPU,
+    where torch 2.13's FlexAttention has no backward). Inputs keep their dtype (bf16 under
+    autocast); the kernel's softmax statistics are fp32."""
+    compiled_fn, eager_fn, _ = _flex_functions()
+    B, _, Tq, _ = q_BHTK.shape
+    doc = None if doc_ids_BT is None else doc_ids_BT.to(q_BHTK.device)
+    bm = flex_block_mask(doc, B, Tq, k_BHTK.shape[2], q_offset, q_BHTK.device)
+    return (compiled_fn if compiled else eager_fn)(q_BHTK, k_BHTK, v_BHTV, block_mask=bm, scale=scale)
 
 
 def attention(q_BHTK, k_BHTK, v_BHTV, scale: float, doc_ids_BT: Optional[torch.Tensor] = None,
               q_chunk: int = DEFAULT_Q_CHUNK, k_chunk: int = DEFAULT_K_CHUNK, q_offset: int = 0) -> torch.Tensor:
-    """Causal same-document attention: SDPA without documents, FlexAttention (CUDA) or
-    ``chunked_attention`` with them.
+    """Causal same-document attention: SDPA without documents or offset, FlexAttention on CUDA with
+    them, ``chunked_attention`` elsewhere.
 
     Shapes in the module docstring; ``doc_ids_BT=None`` means one document per row. Chunk sizes apply
-    to the chunked path only. With a query offset, or fewer queries than keys, the chunked path runs
-    on every device (SDPA's ``is_causal`` aligns the mask top-left; the FlexAttention twin with an
-    offset mask_mod is not written yet).
+    to the chunked path only. A query offset (a CP rank's segment against the gathered keys) goes to
+    FlexAttention on CUDA (its mask is offset like :func:`reference_attention`'s) and to the chunked
+    path elsewhere (SDPA's ``is_causal`` aligns its mask top-left, so it cannot serve offsets).
     """
     global _flex_failed
     _check(q_BHTK, k_BHTK, v_BHTV, doc_ids_BT, q_offset)
-    if q_offset or q_BHTK.shape[2] != k_BHTK.shape[2]:
-        return chunked_attention(q_BHTK, k_BHTK, v_BHTV, scale, doc_ids_BT, q_chunk, k_chunk, q_offset)
-    if doc_ids_BT is None:
+    offset = q_offset or q_BHTK.shape[2] != k_BHTK.shape[2]
+    if doc_ids_BT is None and not offset:
         return F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTV, is_causal=True, scale=scale)
-    if q_BHTK.is_cuda:
-        if not _flex_failed and _flex_functions() is not None:
-            try:
-                return _flex_document_attention(q_BHTK, k_BHTK, v_BHTV, doc_ids_BT.to(q_BHTK.device), scale)
-            except Exception as e:  # noqa: BLE001 - fall back to the chunked path for good
-                _flex_failed = True
-                warnings.warn(f"FlexAttention failed ({type(e).__name__}: {e}); using chunked_attention")
-    return chunked_attention(q_BHTK, k_BHTK, v_BHTV, scale, doc_ids_BT, q_chunk, k_chunk)
+    if q_BHTK.is_cuda and not _flex_failed and _flex_functions() is not None:
+        try:
+            return flex_attention_twin(q_BHTK, k_BHTK, v_BHTV, scale, doc_ids_BT, q_offset)
+        except Exception as e:  # noqa: BLE001 - fall back to the chunked path for good
+            _flex_failed = True
+            warnings.warn(f"FlexAttention failed ({type(e).__name__}: {e}); using chunked_attention")
+    return chunked_attention(q_BHTK, k_BHTK, v_BHTV, scale, doc_ids_BT, q_chunk, k_chunk, q_offset)

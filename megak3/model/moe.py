@@ -152,11 +152,9 @@ class _ContiguousGrad(torch.autograd.Function):
         return g.contiguous()
 
 
-def _tiled_grouped_linear(x_XI: torch.Tensor, w_GOI: torch.Tensor, rows_G: torch.Tensor) -> torch.Tensor:
-    """Fixed-shape grouped GEMM: group-aligned tiles of t rows through one bmm (see the note above)."""
-    X, I = x_XI.shape
-    G, O = w_GOI.shape[0], w_GOI.shape[1]
-    dev = x_XI.device
+def _tile_layout(X: int, G: int, rows_G: torch.Tensor, dev):
+    """The fixed-shape tile layout of "tiled": (t rows per tile, n tiles, dest_X = each row's slot
+    in the padded [n * t] layout, group_N = each tile's group). Shapes depend only on (X, G)."""
     t = max(1, -(-X // G))                       # tile rows
     n = (X + G * (t - 1)) // t                   # >= sum_g ceil(rows_g / t): enough tiles
     rows_G = rows_G.to(device=dev, dtype=torch.int64)
@@ -166,9 +164,56 @@ def _tiled_grouped_linear(x_XI: torch.Tensor, w_GOI: torch.Tensor, rows_G: torch
     pos_X = torch.arange(X, device=dev) - (rows_G.cumsum(0) - rows_G)[group_X]
     dest_X = (tile_end_G - tiles_G)[group_X] * t + pos_X        # row slot in the padded tile layout
     group_N = torch.searchsorted(tile_end_G, torch.arange(n, device=dev), right=True).clamp_(max=G - 1)
+    return t, n, dest_X, group_N
+
+
+def _tiled_grouped_linear(x_XI: torch.Tensor, w_GOI: torch.Tensor, rows_G: torch.Tensor) -> torch.Tensor:
+    """Fixed-shape grouped GEMM: group-aligned tiles of t rows through one bmm (see the note above)."""
+    X, I = x_XI.shape
+    G, O = w_GOI.shape[0], w_GOI.shape[1]
+    t, n, dest_X, group_N = _tile_layout(X, G, rows_G, x_XI.device)
     x_pad = x_XI.new_zeros((n * t, I)).index_copy(0, dest_X, x_XI)
     y_NtO = torch.bmm(x_pad.view(n, t, I), w_GOI.index_select(0, group_N).transpose(1, 2))
     return y_NtO.reshape(n * t, O).index_select(0, dest_X)
+
+
+def _strides_ok(*mats: torch.Tensor) -> bool:
+    """grouped_mm's operand rule for 2-D operands: row- or column-major, the leading stride a
+    multiple of 16 bytes."""
+    def ok(m):
+        (r, c), (sr, sc) = m.shape, m.stride()
+        lead = sr if sc == 1 and sr >= max(1, c) else sc if sr == 1 and sc >= max(1, r) else 0
+        return lead > 0 and lead * m.element_size() % 16 == 0
+    return all(ok(m) for m in mats)
+
+
+def grouped_weight_grad(x_XI: torch.Tensor, g_XO: torch.Tensor, rows_G: torch.Tensor, G: int,
+                        use_grouped_mm=None) -> torch.Tensor:
+    """dW [G, O, I] of :func:`grouped_linear`: ``dW[e] = g_e^T x_e`` over each group's rows, in the
+    operands' dtype, without a host sync (the deferred W of zero-bubble pipelines,
+    megak3/ops/weight_grad.py). 'grouped_mm': one grouped GEMM with the row offsets splitting the
+    contraction dim; 'tiled': the tile layout of the forward, one bmm ``[n, O, t] @ [n, t, I]`` and
+    an ``index_add`` of the tiles into their groups; 'loop': one GEMM per group (``.tolist()``)."""
+    X, I, O = x_XI.shape[0], x_XI.shape[1], g_XO.shape[1]
+    x_XI, g_XO = x_XI.contiguous(), g_XO.contiguous()   # expanded gradients (y.sum()) have stride 0
+    impl = pick_impl(x_XI, x_XI.new_empty((G, O, I)), use_grouped_mm)
+    a_OX = g_XO.transpose(0, 1)
+    if impl == "grouped_mm" and _strides_ok(a_OX, x_XI):
+        offs_G = rows_G.cumsum(0).to(torch.int32)
+        with torch.autocast(x_XI.device.type, enabled=False):
+            return F.grouped_mm(a_OX, x_XI, offs=offs_G)
+    if impl == "loop":
+        gw = x_XI.new_zeros((G, O, I))
+        off = 0
+        for e, n in enumerate(rows_G.tolist()):
+            if n:
+                gw[e] = g_XO[off:off + n].T @ x_XI[off:off + n]
+            off += n
+        return gw
+    t, n, dest_X, group_N = _tile_layout(X, G, rows_G, x_XI.device)
+    x_pad = x_XI.new_zeros((n * t, I)).index_copy(0, dest_X, x_XI).view(n, t, I)
+    g_pad = g_XO.new_zeros((n * t, O)).index_copy(0, dest_X, g_XO).view(n, t, O)
+    return x_XI.new_zeros((G, O, I)).index_add_(0, group_N, torch.bmm(g_pad.transpose(1, 2), x_pad))
 
 
 def _loop_grouped_linear(x_XI: torch.Tensor, w_GOI: torch.Tensor, rows_G: torch.Tensor) -> torch.Tensor:

@@ -75,8 +75,8 @@ class WeightGradStore:
     def defer_linear(self, weight, x, g) -> None:
         self._record(("linear", weight, x, g))
 
-    def defer_grouped(self, weight, x, g, counts) -> None:
-        self._record(("grouped", weight, x, g, counts))
+    def defer_grouped(self, weight, x, g, counts, impl=None) -> None:
+        self._record(("grouped", weight, x, g, counts, impl))
 
     def defer_call(self, fn: Callable[[], None]) -> None:
         """Any other deferred weight-gradient work (a closure run at flush)."""
@@ -101,13 +101,10 @@ class WeightGradStore:
                 _, _, x, g = item
                 gw = g.reshape(-1, g.shape[-1]).T.to(w.dtype) @ x.reshape(-1, x.shape[-1]).to(w.dtype)
             else:
-                _, _, x, g, counts = item
-                gw = torch.zeros_like(w)
-                off = 0
-                for e, n in enumerate(counts):
-                    if n:
-                        gw[e] = g[off:off + n].T.to(w.dtype) @ x[off:off + n].to(w.dtype)
-                    off += n
+                from megak3.model.moe import grouped_weight_grad
+
+                _, _, x, g, counts, impl = item
+                gw = grouped_weight_grad(x.to(w.dtype), g.to(w.dtype), counts, w.shape[0], impl)
             slot = grads.setdefault(id(w), [w, None])
             slot[1] = gw if slot[1] is None else slot[1] + gw
         if grads:
@@ -156,29 +153,29 @@ class _DeferredGroupedLinear(torch.autograd.Function):
     def forward(ctx, x_XI, counts, store, use_grouped_mm, weight: _Weight):
         from megak3.model.moe import grouped_linear
 
-        ctx.save_for_backward(x_XI)
-        ctx.counts, ctx.store, ctx.gmm, ctx.weight = counts, store, use_grouped_mm, weight.w
-        return grouped_linear(x_XI, weight.w.detach(), torch.tensor(counts, device=x_XI.device), use_grouped_mm)
+        ctx.save_for_backward(x_XI, counts)
+        ctx.store, ctx.gmm, ctx.weight = store, use_grouped_mm, weight.w
+        return grouped_linear(x_XI, weight.w.detach(), counts, use_grouped_mm)
 
     @staticmethod
     def backward(ctx, g_XO):
         from megak3.model.moe import grouped_linear
 
-        (x_XI,) = ctx.saved_tensors
+        x_XI, counts = ctx.saved_tensors
         w = ctx.weight
         gx = None
         if ctx.needs_input_grad[0]:  # g_e @ w_e = g_e @ (w_e^T)^T
             gx = grouped_linear(g_XO.contiguous(), w.detach().transpose(-2, -1).contiguous().to(g_XO.dtype),
-                                torch.tensor(ctx.counts, device=g_XO.device), ctx.gmm)
-        ctx.store.defer_grouped(w, x_XI, g_XO, ctx.counts)
+                                counts, ctx.gmm)
+        ctx.store.defer_grouped(w, x_XI, g_XO, counts, ctx.gmm)
         ctx.weight = None
         return gx, None, None, None, None
 
 
 def deferred_grouped_linear(store, x_XI, w_EOI, tokens_per_expert_E, use_grouped_mm):
-    """``grouped_linear`` whose weight gradient waits for ``store.flush`` (one host sync for counts)."""
-    counts = [int(c) for c in tokens_per_expert_E.tolist()]
-    return _DeferredGroupedLinear.apply(x_XI, counts, store, use_grouped_mm, _Weight(w_EOI))
+    """``grouped_linear`` whose weight gradient waits for ``store.flush`` (no host sync: the counts
+    stay a device tensor, dW is :func:`megak3.model.moe.grouped_weight_grad`)."""
+    return _DeferredGroupedLinear.apply(x_XI, tokens_per_expert_E, store, use_grouped_mm, _Weight(w_EOI))
 
 
 class _LinearMode(TorchFunctionMode):

@@ -234,3 +234,23 @@ def test_fp8_te_without_te_or_cuda_raises_clearly():
         apply_quantization(small_model(), QuantConfig(fp8="te"))
     with pytest.raises(ValueError, match=TE_MISSING.split(";")[0]):
         fp8_autocast_context(QuantConfig(fp8="te"))
+
+
+def test_te_recipe_follows_the_gpu_and_refuses_the_stateful_one():
+    """Recipes by compute capability; a TE with only DelayedScaling (an amax history that
+    checkpoints would not carry) is refused with a one-line error."""
+    import types
+
+    from megak3.quant.te import TE_STATEFUL, _te_recipe
+
+    def module(*names):
+        return types.SimpleNamespace(**{n: type(n, (), {}) for n in names + ("DelayedScaling",)})
+
+    full = module("MXFP8BlockScaling", "Float8BlockScaling", "Float8CurrentScaling")
+    assert type(_te_recipe(full, 10)).__name__ == "MXFP8BlockScaling"
+    assert type(_te_recipe(full, 9)).__name__ == "Float8BlockScaling"
+    assert type(_te_recipe(full, 8)).__name__ == "Float8CurrentScaling"
+    assert type(_te_recipe(module("Float8CurrentScaling"), 9)).__name__ == "Float8CurrentScaling"
+    with pytest.raises(ValueError, match="DelayedScaling") as e:
+        _te_recipe(module(), 9)
+    assert str(e.value) == TE_STATEFUL and "\n" not in TE_STATEFUL

@@ -11,7 +11,8 @@ misaligned projections (KDA ``b_proj`` [H, D]) stay in high precision.
   module keeps its name, so optimizer groups by name still apply; build the optimizer AFTER this).
   Run forward passes inside ``fp8_autocast_context(qcfg)``; its recipe follows the GPU:
   Float8BlockScaling on Hopper (sm90), MXFP8BlockScaling on Blackwell (sm100+), Float8CurrentScaling
-  otherwise (sm89 Ada). TE state adds ``_extra_state`` keys to the state dict.
+  otherwise (sm89 Ada). These recipes keep no state between steps, so checkpoints carry no TE
+  ``_extra_state``; a TE with only DelayedScaling (amax history) is refused (``_te_recipe``).
 * ``fp8="emulate"``: each such linear becomes ``MXFP8Linear`` (same Parameter object, same state
   dict) computing ``F.linear(fq8(x), fq8(W))`` with MXFP8 (E4M3, blocks of 32 along the input dim)
   and a straight-through gradient, so the plumbing and its numerics are testable on CPU.
@@ -86,6 +87,7 @@ def apply_fp8(model: nn.Module, qcfg: QuantConfig) -> List[str]:
         if (major, minor) < (8, 9):
             raise ValueError(f"quant.fp8=te needs an FP8 GPU (sm89+), this one is sm{major}{minor}; "
                              "use quant.fp8=emulate or quant.fp8=none")
+        _te_recipe()   # refuses a TE whose only recipe is stateful, before any module is swapped
         import transformer_engine.pytorch as te
 
         for name in names:
@@ -111,18 +113,30 @@ def apply_fp8(model: nn.Module, qcfg: QuantConfig) -> List[str]:
     return names
 
 
-def _te_recipe():
-    """The TE recipe for this GPU (names checked against TE 2.x docs; imported defensively)."""
-    from transformer_engine.common import recipe as R
+TE_STATEFUL = ("quant.fp8=te needs a Transformer Engine with current or block scaling recipes "
+               "(Float8CurrentScaling / Float8BlockScaling / MXFP8BlockScaling, TE >= 2.2); this one has "
+               "only DelayedScaling, whose amax history megak3 checkpoints do not carry: upgrade "
+               "transformer_engine or use quant.fp8=emulate")
 
-    major, _ = torch.cuda.get_device_capability()
+
+def _te_recipe(R=None, major: int | None = None):
+    """The TE recipe for this GPU: MXFP8BlockScaling on Blackwell (sm100+), Float8BlockScaling on
+    Hopper (sm90), Float8CurrentScaling otherwise. All three take each tensor's scales from the
+    tensor being cast, so a TE linear carries nothing from one step to the next and a checkpoint
+    needs no TE ``_extra_state`` (megak3 checkpoints hold parameters, buffers and optimizer state
+    only). DelayedScaling would (an amax history) and is refused: ``ValueError(TE_STATEFUL)``.
+    ``R`` / ``major``: the recipe module and compute capability (tests inject them)."""
+    if R is None:
+        from transformer_engine.common import recipe as R
+    if major is None:
+        major, _ = torch.cuda.get_device_capability()
     if major >= 10 and hasattr(R, "MXFP8BlockScaling"):
         return R.MXFP8BlockScaling()
     if major == 9 and hasattr(R, "Float8BlockScaling"):
         return R.Float8BlockScaling()
     if hasattr(R, "Float8CurrentScaling"):
         return R.Float8CurrentScaling()
-    return R.DelayedScaling()            # TE < 2.2 has only delayed scaling
+    raise ValueError(TE_STATEFUL)
 
 
 def fp8_autocast_context(qcfg: QuantConfig):

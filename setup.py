@@ -42,7 +42,9 @@ RUNTIME = [
 EXTRAS = {
     # GPU-only accelerators; every path they serve has a pure-torch twin used on CPU.
     # NVIDIA apex is not on PyPI (PyPI's "apex" is unrelated) and is only imported if the user built it.
-    "gpu": ["transformer_engine[pytorch]>=1.8", "fla-core>=0.2"],
+    # fla-core 0.4.2 added chunk_kda's safe_gate / lower_bound / cu_seqlens_cpu (megak3/ops/kda.py);
+    # TE 2.2 the current/block-scaling FP8 recipes (megak3/quant/te.py refuses delayed scaling)
+    "gpu": ["transformer_engine[pytorch]>=2.2", "fla-core>=0.4.2,<0.6"],
     # torchao: an independent MX reference in tests (tests skip it when absent)
     "dev": ["pytest>=7.4", "pytest-xdist>=3.3", "pytest-timeout>=2.1", "matplotlib>=3.7", "ninja>=1.11",
             "torchao>=0.10"],

@@ -117,6 +117,7 @@ class KimiDeltaAttention(nn.Module):
         if seq.packed:  # documents are delimited on the flattened stream; state resets per document
             flat = lambda t: t.reshape(1, B * T, *t.shape[2:])
             o, _ = kda(flat(q), flat(k), flat(v), flat(g), flat(beta), cu_seqlens=seq.cu_seqlens,
+                       cu_seqlens_cpu=seq.cu_seqlens_host,
                        chunk_size=self.chunk_size, use_fla=self.use_fla)
             return o.reshape(B, T, H, K)
         o, _ = kda(q, k, v, g, beta, chunk_size=self.chunk_size, use_fla=self.use_fla)

@@ -22,6 +22,9 @@ class SeqInfo:
     """int64 [B, T] document index per token, or None"""
     pos_in_doc_BT: Optional[torch.Tensor]
     """int64 [B, T] position of each token inside its document, or None"""
+    cu_seqlens_host: Optional[torch.Tensor] = None
+    """int64 [N+1] the same offsets on the host (fla's ``cu_seqlens_cpu``; the CPU KDA twin reads
+    its document layout from it), so no kernel needs a device-to-host copy to size its work"""
     cp: Optional[object] = None
     """under context parallelism: this rank's segment (parallel.context_parallel.CPShard; the layers
     call its causal_conv / kda / gather_keys), None otherwise. The fields above then describe the
@@ -50,4 +53,4 @@ def make_seq_info(batch: int, seqlen: int, cu_seqlens: Optional[torch.Tensor],
     starts = torch.repeat_interleave(cu[:-1], lengths)
     pos = torch.arange(total, device="cpu") - starts
     return SeqInfo(batch, seqlen, cu.to(torch.int32).to(device), doc_ids.view(batch, seqlen).to(device),
-                   pos.view(batch, seqlen).to(device))
+                   pos.view(batch, seqlen).to(device), cu_seqlens_host=cu)

@@ -643,22 +643,33 @@ def _fla_chunk_kda():
 
 
 def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-        chunk_size=64, use_fla=True, lower_bound=-5.0):
+        chunk_size=64, use_fla=True, lower_bound=-5.0, cu_seqlens_cpu=None):
     """KDA entry point: fla's Triton `chunk_kda` on CUDA when importable, else `chunk_kda` here.
 
     Arguments as `chunk_kda`. q/k must already be L2-normalised and g precomputed by `kda_gate`
     (so fla runs with use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False). `lower_bound` is the
     gate bound g was built with; it enables fla's safe_gate tiles (K3_SPEC §4.4); None disables them.
-    fla always uses chunk size 64 (chunk_size only affects the torch path).
+    fla always uses chunk size 64 (chunk_size only affects the torch path). `cu_seqlens_cpu`: the
+    same offsets on the host (fla sizes its chunk index from it without reading the device; the
+    torch path takes its document layout from it). fla (``fla-core>=0.4.2``: safe_gate,
+    lower_bound and cu_seqlens_cpu) gets q, k, v and beta in the CUDA autocast dtype (bf16 in
+    training), g and the state in fp32.
     """
     fla_fn = _fla_chunk_kda() if (use_fla and q.is_cuda) else None
     if fla_fn is None:
         return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                         output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+                         output_final_state=output_final_state,
+                         cu_seqlens=cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens,
+                         chunk_size=chunk_size)
     if cu_seqlens is not None and q.shape[0] != 1:
         raise ValueError(f"cu_seqlens needs B == 1 (flatten the batch to [1, B*T, ...]); got B={q.shape[0]}")
-    return fla_fn(q, k, v, g, beta, scale=scale,
-                  initial_state=None if initial_state is None else initial_state.float(),
-                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
-                  use_gate_in_kernel=False, safe_gate=lower_bound is not None, lower_bound=lower_bound,
-                  cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
+    if torch.is_autocast_enabled("cuda"):   # fla's kernels take the low-precision operands as given
+        dt = torch.get_autocast_dtype("cuda")
+        q, k, v, beta = (x.to(dt) for x in (q, k, v, beta))
+    with torch.autocast("cuda", enabled=False):
+        return fla_fn(q, k, v, g.float(), beta, scale=scale,
+                      initial_state=None if initial_state is None else initial_state.float(),
+                      output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
+                      use_gate_in_kernel=False, safe_gate=lower_bound is not None, lower_bound=lower_bound,
+                      cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),
+                      cu_seqlens_cpu=None if cu_seqlens_cpu is None else cu_seqlens_cpu.long())

@@ -140,6 +140,10 @@ class ModelConfig:
     """SiTU-GLU linear-branch cap beta2"""
     init_std: float = 0.02
     """std of the normal init of linear and embedding weights"""
+    norm_impl: str = "auto"
+    """learnable-weight RMSNorms: 'auto' (NVIDIA apex's fused kernel for CUDA inputs when apex is built with
+    its CUDA extensions, else torch), 'torch' (always the torch form) or 'apex' (like auto, but an error
+    when apex is not built); megak3/model/norm.py"""
     tie_word_embeddings: bool = False
     """K3 unties embedding and lm_head"""
     bos_token_id: int = 163584
@@ -217,6 +221,11 @@ class ModelConfig:
         for name, val in (("rms_norm_eps", self.rms_norm_eps), ("mla.latent_norm_eps", m.latent_norm_eps)):
             need(0 < val < 1, f"model.{name}={val} must lie in (0, 1) (typical: 1e-5)")
         need(0 < self.init_std < 1, f"model.init_std={self.init_std} must lie in (0, 1) (K3 uses 0.02)")
+        if self.norm_impl != "auto":  # 'apex' tries to import apex here, once per process
+            from .model.norm import norm_impl_error
+
+            err = norm_impl_error(self.norm_impl)
+            need(err is None, err)
         need(0 < v.routed_scaling_factor < float("inf"),
              f"model.moe.routed_scaling_factor={v.routed_scaling_factor} must be a positive number")
         need(v.qb_bins >= 2, f"model.moe.qb_bins={v.qb_bins} must be >= 2")

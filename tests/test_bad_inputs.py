@@ -92,6 +92,7 @@ CONFIG = [  # (overrides, expected fragment of the message[, world size of the t
     ("model.rms_norm_eps=0", "model.rms_norm_eps=0.0 must lie in (0, 1)"),
     ("model.vocab_size=1000", "data.vocab_size=8192 exceeds model.vocab_size=1000"),
     ("model.full_attn_layers=[0]", "model.full_attn_layers has [0] outside 1..9"),
+    ("model.norm_impl=fused", "model.norm_impl='fused': choose 'auto', 'torch' or 'apex'"),
     # logging, quant, moonep, launcher
     ("logging.log_interval=0", "logging.log_interval=0 must be an int >= 1"),
     ("logging.wandb_mode=loud", "logging.wandb_mode='loud'"),

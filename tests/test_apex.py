@@ -231,8 +231,6 @@ def test_knob_values_and_one_line_errors():
     assert load_model_config("k3_tiny", norm_impl="apex").norm_impl == "apex"
 
 
-@pytest.mark.xfail(strict=True, reason="K3Model.__init__ does not call set_norm_impl(self, cfg.norm_impl) yet "
-                                        "(one line in megak3/model/k3.py); remove this mark with it")
 def test_the_model_applies_its_norm_impl():
     from megak3.model.k3 import build_model
 

@@ -23,7 +23,7 @@ from .ffn import SiTUGLUMLP
 from .kda import KimiDeltaAttention
 from .mla import GatedMLA
 from .moe import LatentMoE, MoEStats
-from .norm import RMSNorm
+from .norm import RMSNorm, set_norm_impl
 from .recompute import MODES as RECOMPUTE_MODES, segment, selective_scope
 from .seqinfo import SeqInfo, make_seq_info
 
@@ -107,6 +107,7 @@ class K3Model(nn.Module):
             from .vision import VisionTower
 
             self.vision = VisionTower(cfg.vision, d, cfg.rms_norm_eps)
+        set_norm_impl(self, cfg.norm_impl)   # model.norm_impl on every RMSNorm (megak3/model/norm.py)
         self.recompute = "none"
         """activation recomputation while training: 'none', 'full' or 'selective' (megak3/model/recompute.py)"""
         self.has_mla = "mla" in cfg.layer_kinds()

@@ -39,15 +39,20 @@ RUNTIME = [
     "safetensors>=0.4",          # Hugging Face import/export (megak3/interop, tools/convert_hf.py)
     "nvidia-ml-py>=12",          # GPU telemetry; skipped with one notice when NVML is absent
 ]
+DEEPSPEED = "deepspeed==0.19.8"
 EXTRAS = {
     # GPU-only accelerators; every path they serve has a pure-torch twin used on CPU.
     # NVIDIA apex is not on PyPI (PyPI's "apex" is unrelated) and is only imported if the user built it.
     # fla-core 0.4.2 added chunk_kda's safe_gate / lower_bound / cu_seqlens_cpu (megak3/ops/kda.py);
     # TE 2.2 the current/block-scaling FP8 recipes (megak3/quant/te.py refuses delayed scaling)
     "gpu": ["transformer_engine[pytorch]>=2.2", "fla-core>=0.4.2,<0.6"],
-    # torchao: an independent MX reference in tests (tests skip it when absent)
+    # optim.offload=cpu's DeepSpeed CPU Adam kernel (JIT-built on first use; the torch twin serves
+    # without it). Tested version; an sdist: install with --no-build-isolation so it sees the torch pin.
+    "offload": [DEEPSPEED],
+    # torchao: an independent MX reference in tests (tests skip it when absent); deepspeed: the
+    # offload kernel the tests compare with its torch twin
     "dev": ["pytest>=7.4", "pytest-xdist>=3.3", "pytest-timeout>=2.1", "matplotlib>=3.7", "ninja>=1.11",
-            "torchao>=0.10"],
+            "torchao>=0.10", DEEPSPEED],
 }
 
 setup(

@@ -7,8 +7,13 @@ so a single η serves both. ``validate()`` raises ``ValueError`` naming ``optim.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.util import find_spec
 
 SCHEDULES = ("cosine", "wsd", "constant")
+OFFLOADS = ("none", "cpu")
+OFFLOAD_IMPLS = ("auto", "deepspeed", "torch")
+DEEPSPEED_INSTALL = "pip install -c tools/constraints.txt --no-build-isolation -e '.[offload]'"
+"""how to install DeepSpeed for optim.offload_impl (the version setup.py's [offload] extra pins)"""
 MAX_LR = 1e6
 """largest accepted peak learning rate: a run that diverges is caught by train.nonfinite; far larger
 values (1e38) overflow the fp32 update itself"""
@@ -48,6 +53,12 @@ class OptimConfig:
     """WSD only: fraction of max_steps spent in the final linear decay"""
     grad_clip: float = 1.0
     """max global gradient L2 norm applied by the training loop; 0 disables clipping"""
+    offload: str = "none"
+    """where the AdamW groups' state (exp_avg, exp_avg_sq, step) lives and is updated: 'none' (beside
+    the params) | 'cpu' (host memory, megak3/optim/offload.py); Muon always stays with its params"""
+    offload_impl: str = "auto"
+    """offload=cpu kernel: 'deepspeed' (DeepSpeed's CPU Adam, the [offload] extra) | 'torch' (torch's
+    fused CPU AdamW on the host tensors) | 'auto' (deepspeed when it loads, else torch with a warning)"""
 
     def validate(self, max_steps: int | None = None) -> "OptimConfig":
         """Check every field; the step-dependent checks run only when ``max_steps`` is given."""
@@ -70,6 +81,11 @@ class OptimConfig:
              "must be an int >= 0")
         need(0.0 < self.decay_fraction <= 1.0, "decay_fraction", "must be in (0, 1]")
         need(0 <= self.grad_clip < float("inf"), "grad_clip", "must be a finite number >= 0 (0 disables clipping)")
+        need(self.offload in OFFLOADS, "offload", f"must be one of {OFFLOADS}")
+        need(self.offload_impl in OFFLOAD_IMPLS, "offload_impl", f"must be one of {OFFLOAD_IMPLS}")
+        need(not (self.offload == "cpu" and self.offload_impl == "deepspeed") or find_spec("deepspeed") is not None,
+             "offload_impl", f"needs DeepSpeed, which is not installed: {DEEPSPEED_INSTALL}, or set "
+             "optim.offload_impl=torch")
         if max_steps is None:
             return self
         if max_steps <= 0:

@@ -398,20 +398,21 @@ def test_validate_wsd_overlap():
 
 
 # ---- the device-side non-finite skip (found_inf, torch's GradScaler protocol) -------------------
-def test_fused_adamw_is_bitwise_the_foreach_form():
-    """build_optimizer's AdamW is fused (it reads found_inf on the device); on CPU its numbers are
-    the foreach form's, bit for bit."""
+def test_fused_adamw_matches_the_foreach_form():
+    """build_optimizer's AdamW is fused (it reads found_inf on the device); it equals the foreach
+    form up to fp32 rounding (measured: <= 6e-8 on unit-scale weights after 5 steps at lr 1e-2;
+    not bitwise: the kernels order the update's operations differently)."""
     torch.manual_seed(0)
-    a = nn.Parameter(torch.randn(64, 48))
+    a = nn.Parameter(torch.randn(256, 64))
     b = nn.Parameter(a.detach().clone())
-    fused = torch.optim.AdamW([a], lr=1e-3, weight_decay=0.1, fused=True)
-    foreach = torch.optim.AdamW([b], lr=1e-3, weight_decay=0.1, foreach=True)
+    fused = torch.optim.AdamW([a], lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), fused=True)
+    foreach = torch.optim.AdamW([b], lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), foreach=True)
     for s in range(5):
-        g = torch.randn(64, 48, generator=gen(s))
+        g = torch.randn(256, 64, generator=gen(s))
         a.grad, b.grad = g.clone(), g.clone()
         fused.step()
         foreach.step()
-    assert torch.equal(a, b)
+    assert float((a - b).abs().max()) <= 2e-7
     model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8))
     assert build_optimizer(model, OptimConfig()).adamw.param_groups[0]["fused"] is True
 

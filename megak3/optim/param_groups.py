@@ -178,7 +178,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> MuonWithAdamW:
     muon = Muon(muon_groups, lr=cfg.lr, momentum=cfg.muon_momentum, nesterov=cfg.nesterov,
                 ns_steps=cfg.ns_steps, ns_dtype=cfg.ns_dtype) if muon_groups else None
     # fused: one kernel per step, and it honours ``found_inf`` on the device (the non-finite skip of
-    # megak3/train/step.py); bitwise equal to the foreach form on CPU (tests/test_optim.py)
+    # megak3/train/step.py); equal to the foreach form up to fp32 rounding (tests/test_optim.py)
     fused = bool(adam_groups) and all(p.device.type in _FUSED_DEVICES and p.dtype.is_floating_point
                                       for g in adam_groups for p in g["params"])
     adamw = torch.optim.AdamW(adam_groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),

@@ -58,6 +58,10 @@ class ParallelConfig:
     otherwise"""
     pp_batch_p2p: bool = False
     """pipeline sends/receives of one payload posted together with ``dist.batch_isend_irecv``"""
+    overlap_param_gather: bool = False
+    """issue each ZeRO-1 bucket's parameter all-gather at the end of the optimizer step without
+    waiting; the next forward waits for each bucket just before the decoder layer (or embedding,
+    head, ...) that uses it (bitwise the same result); used under every layout"""
 
     def resolved_dp(self, world_size: int) -> int:
         """dp, or world_size / (tp * cp * pp) when dp == 0."""
@@ -90,7 +94,7 @@ class ParallelConfig:
             raise ValueError(f"parallel.backend={self.backend!r}: choose one of {', '.join(BACKENDS)}")
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"parallel.sequence_parallel={self.sequence_parallel!r} must be true or false")
-        for f in ("overlap_grad_reduce", "pp_batch_p2p"):
+        for f in ("overlap_grad_reduce", "pp_batch_p2p", "overlap_param_gather"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"parallel.{f}={getattr(self, f)!r} must be true or false")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \

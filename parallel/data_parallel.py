@@ -35,8 +35,8 @@ Call order per optimizer step::
     loss.backward()                # every micro-batch; grads accumulate in model .grad
     opt.reduce_gradients()         # reduce-scatter; model .grad are released
     opt.clip_grad_norm_(max_norm)  # global norm from the owners' shards (one all-reduce)
-    set_lr(opt, lr); opt.step()    # local Muon/AdamW on owned params, then all-gather
-    opt.zero_grad()
+    set_lr(opt, lr); opt.step()    # local Muon/AdamW on owned params, then all-gather (or only
+    opt.zero_grad()                # issue it: overlap_param_gather, waited in the next forward)
 
 Overlapped reduce-scatter (``overlap_grad_reduce=True``, issue 19 item 4)
     Each param gets a post-accumulate-grad hook. :meth:`ShardedOptimizer.start_grad_overlap`, called
@@ -52,6 +52,35 @@ Overlapped reduce-scatter (``overlap_grad_reduce=True``, issue 19 item 4)
     already issued raises (it would be lost). Callers that modify gradients between backward and
     :meth:`reduce_gradients` (TP partial-gradient sums) or interleave other collectives on the same
     group must not arm it (``RankStep`` arms it only without tp/pp/ep/cp).
+
+All-gather behind the next forward (``overlap_param_gather=True``, issue 19 item 4)
+    :meth:`ShardedOptimizer.step` runs the local Muon/AdamW, ISSUES every bucket's all-gather
+    (``async_op=True``; the bucket holding the earliest params in ``model.parameters()`` order
+    first, the order the next forward needs them) and returns. A forward pre-hook on each "block"
+    (:func:`forward_blocks`: for a K3Model a decoder layer, the embedding, the head, the vision
+    tower) waits for the buckets holding that block's params and copies them in before the block
+    runs, so the gathers of later layers proceed while earlier layers compute; once a bucket is
+    copied the hooks of this step do nothing more for it. :meth:`~ShardedOptimizer.finish_param_gather`
+    waits for whatever is left; every reader of parameter values outside a forward must call it,
+    and this module calls it itself wherever it can: in ``reduce_gradients`` (the next step; a
+    param no forward used is still pending there), ``step``, ``state_dict`` / ``load_state_dict``,
+    ``export_state`` (hence ``consolidate_optimizer_state``), ``load_consolidated_state``, and,
+    through hooks, in ``state_dict()`` / ``load_state_dict()`` of every module of the model
+    (the trainer's checkpoint save and load, ``consolidate_model_state``, ``load_full_state``).
+    Code that reads ``model.parameters()`` values directly after a step (tests, tools) calls it.
+    The gathers run on dedicated communicators (``gather_groups``: same ranks as the dp / edp
+    groups), because a collective issued on a gloo group waits for that group's pending work and
+    the next step's token-count and Quantile-Balancing all-reduces use the dp group; building them
+    makes the construction collective over the default group. Same layout, same buffers, same
+    collective: bitwise the non-overlapped result (tests/test_overlap.py). All gathers of a step
+    are issued before any rank waits for one, in one order on every rank, so no layout can
+    deadlock on them; ``RankStep`` uses it under every layout (tp, pp, ep, cp included).
+    How much can hide is bounded by the bucket layout: buckets pack each rank's params in LPT order
+    (largest first), not by model position, so one bucket mixes layers far apart and the first
+    blocks need many buckets (k3_tiny, dp2, 4 MiB buckets: the embedding needs 19% of the gathered
+    bytes, the first decoder layer 30%, the middle one 81%; at dp8, 75% before the embedding).
+    Not built: a position-ordered layout (packing each rank's params in model order instead pads
+    14-38% with whole-parameter ownership, and hides little more).
 
 Collectives used: ``reduce_scatter_single`` / ``all_gather_single`` (``reduce_scatter_tensor`` /
 ``all_gather_into_tensor`` before torch 2.13) and ``all_reduce``; gloo supports all of them in
@@ -119,6 +148,40 @@ def _size(group: ProcessGroup) -> int:
 
 def _rank(group: ProcessGroup) -> int:
     return 0 if group is None else group.rank()
+
+
+def _timeout_of(group: ProcessGroup, device: torch.device):
+    """The timeout ``group`` was created with (None: the default)."""
+    try:
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def forward_blocks(model: nn.Module) -> dict[int, nn.Module]:
+    """``id(param) -> module`` whose forward pre-hook waits for the param's all-gather under
+    ``overlap_param_gather``: the OUTERMOST module below ``model`` on the param's path that is not a
+    container (ModuleList / ModuleDict / Sequential), ``model`` itself for its own params. For a
+    K3Model: each decoder layer, the embedding, the output AttnRes mix, the final norm, the head,
+    the vision tower. Not the module that owns the param: forwards read their children's params
+    directly (a decoder layer reads its AttnRes mixes' weights, the MoonEP dispatcher fetches the
+    experts' weights in the MoE layer's forward), which a hook on the owner would see too late.
+    A block must be entered as ``block(...)`` (which runs its hooks), not ``block.forward(...)``;
+    tests/test_overlap.py checks with a torch-function spy that no K3 parameter is read before its
+    block's hook ran, under dp, tp, pp, ep and cp."""
+    out: dict[int, nn.Module] = {}
+
+    def visit(mod: nn.Module, block: Optional[nn.Module]) -> None:
+        for p in mod.parameters(recurse=False):
+            out.setdefault(id(p), mod if block is None else block)
+        for child in mod.children():
+            visit(child, child if block is None and not isinstance(child, _CONTAINERS) else block)
+
+    visit(model, None)
+    return out
 
 
 def assign_owners(numels: list[int], world: int) -> list[int]:
@@ -196,6 +259,10 @@ class ShardedOptimizer:
         tp_group, shard_dim: if given, :meth:`set_tensor_parallel` is called with them.
         overlap_grad_reduce: install the hooks that issue each bucket's reduce-scatter during the
             backward armed by :meth:`start_grad_overlap` (see the module docstring).
+        overlap_param_gather: :meth:`step` issues the all-gathers on dedicated communicators and
+            returns; each is waited for by a forward pre-hook before its params' first use, or by
+            :meth:`finish_param_gather` (see the module docstring). Construction is then collective
+            over the default group (it creates those communicators).
     """
 
     def __init__(self, model: nn.Module, optim_cfg: OptimConfig, dp_group: ProcessGroup = None,
@@ -203,7 +270,7 @@ class ShardedOptimizer:
                  group_for: Callable[[str, nn.Parameter], ProcessGroup] | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  tp_group: ProcessGroup = None, shard_dim: dict[str, Optional[int]] | None = None,
-                 overlap_grad_reduce: bool = False):
+                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False):
         if bucket_bytes < 4:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 4 (one fp32 element)")
         # build_optimizer does the Muon/AdamW split, the Per-Head Muon heads and the hyperparameters;
@@ -287,6 +354,42 @@ class ShardedOptimizer:
             for i, s in enumerate(self.specs):
                 if self._bucket_of[i] >= 0:
                     self._hooks.append(s.param.register_post_accumulate_grad_hook(self._make_hook(i)))
+        # ---- all-gather behind the next forward (issued by step, waited by forward pre-hooks) ----
+        self.overlap_param_gather = bool(overlap_param_gather)
+        self._gather_pending: dict[int, tuple] = {}      # bucket -> (work, gathered buffer, sent buffer)
+        self.gather_log: list[tuple[str, int]] = []
+        """since the last :meth:`step`: ("issue", bucket) per all-gather it issued, then ("forward",
+        bucket) / ("finish", bucket) as each was waited for by a forward pre-hook / by
+        :meth:`finish_param_gather`"""
+        if self.overlap_param_gather:
+            pos = {id(p): k for k, p in enumerate(model.parameters())}
+            multi = [k for k, b in enumerate(self.buckets) if _size(self.groups[b.group_id]) > 1]
+            # the next forward needs the earliest params (in model order) first: issue those first
+            self._gather_order = sorted(multi, key=lambda k: (min(pos.get(id(self.specs[sl.index].param), 0)
+                                                                  for sl in self.buckets[k].slots), k))
+            self.gather_groups = self._make_gather_groups()
+            block_of = forward_blocks(model)
+            waits: dict[int, tuple[nn.Module, list[int]]] = {}   # id(block) -> (block, its buckets)
+            for k in self._gather_order:
+                for sl in self.buckets[k].slots:
+                    blk = block_of[id(self.specs[sl.index].param)]
+                    ks = waits.setdefault(id(blk), (blk, []))[1]
+                    if k not in ks:
+                        ks.append(k)
+            for blk, ks in waits.values():  # prepend: before any pre-hook of the model's own
+                self._hooks.append(blk.register_forward_pre_hook(self._make_gather_hook(ks), prepend=True))
+            for m in model.modules():  # model.state_dict() / load_state_dict(): checkpoints, consolidation
+                self._hooks.append(m.register_state_dict_pre_hook(lambda *_: self.finish_param_gather()))
+                self._hooks.append(m.register_load_state_dict_pre_hook(lambda *_: self.finish_param_gather()))
+
+    def remove_hooks(self) -> None:
+        """Remove every hook this optimizer installed on the model (gradient, forward pre-, state-dict
+        hooks), after waiting for its gathers: call it before building another optimizer over the
+        same model."""
+        self.finish_param_gather()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     def add_norm_partition(self, group: ProcessGroup, experts_only: bool = False) -> None:
         """Declare that the ranks of ``group`` hold different parameters (all of them, or only the
@@ -348,6 +451,26 @@ class ShardedOptimizer:
                                  f"group see different models ([params, numel, crc] {mine.tolist()} vs {row}); "
                                  f"build the same model with the same config on every rank")
 
+    def _make_gather_groups(self) -> list[ProcessGroup]:
+        """Per group (as ``self.groups``): a second communicator over the same ranks, for the
+        overlapped all-gathers (None for a one-rank group). Their own communicator, because a
+        collective issued on a gloo group runs after that group's pending work (measured: a
+        1-element all-reduce behind 3 in-flight 8M-element all-gathers took 0.55 s instead of
+        0.016 s on another group), and the next step's token-count and Quantile-Balancing
+        all-reduces use the dp group; on NCCL it is a separate stream. ``new_group`` is collective
+        over the default group, so every rank gathers every rank's groups and all create them in
+        one order (as parallel/state.py does); each takes its twin's timeout."""
+        mine = [tuple(dist.get_process_group_ranks(g)) if _size(g) > 1 else None for g in self.groups]
+        if not any(mine):
+            return [None] * len(self.groups)
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, [r for r in mine if r])
+        made = {}
+        for ranks in sorted({r for part in every for r in part}):
+            twin = next((g for g, r in zip(self.groups, mine) if r == ranks), None)
+            made[ranks] = dist.new_group(list(ranks), timeout=_timeout_of(twin, self.device))
+        return [None if r is None else made[r] for r in mine]
+
     @staticmethod
     def _local_optimizer(opt: torch.optim.Optimizer | None, main_of: dict[int, torch.Tensor]):
         """Same class and group hyperparameters as ``opt``, restricted to owned params' main copies."""
@@ -383,6 +506,9 @@ class ShardedOptimizer:
 
     def _reduce_scatter_async(self, out: torch.Tensor, flat: torch.Tensor, group: ProcessGroup):
         return _reduce_scatter(out, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+    def _all_gather_async(self, out: torch.Tensor, mine: torch.Tensor, group: ProcessGroup):
+        return _all_gather(out, mine, group=group, async_op=True)
 
     # ---------------------------------------------------------------- overlapped reduce-scatter
     def _make_hook(self, i: int):
@@ -446,6 +572,7 @@ class ShardedOptimizer:
         backward (:meth:`start_grad_overlap`) the buckets not yet issued are issued first (in the
         fixed order), then every handle is waited for.
         """
+        self.finish_param_gather()  # buckets whose params no forward used are still in flight
         armed, self._armed = self._armed, False
         if armed:
             for k in self._launch_order[self._next:]:
@@ -539,33 +666,85 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Muon/AdamW on this rank's main copies, then all-gather every bucket back into the model."""
+        """Muon/AdamW on this rank's main copies, then all-gather every bucket back into the model.
+
+        With ``overlap_param_gather`` the all-gathers are only issued (``async_op``, on
+        ``gather_groups``, the bucket of the earliest params in model order first) and this returns
+        with them in flight: the forward pre-hooks wait for each before its params' first use, and
+        :meth:`finish_param_gather` waits for the rest."""
         if not self._reduced:
             raise RuntimeError("ShardedOptimizer.step before reduce_gradients(): call it after backward")
+        self.finish_param_gather()
         for o in self.optimizers:
             o.step()
+        if self.overlap_param_gather:
+            self.gather_log = []
+            for k in self._gather_order:
+                b = self.buckets[k]
+                every, mine = self._gather_buffers(b)
+                work = self._all_gather_async(every, mine, self.gather_groups[b.group_id])
+                self._gather_pending[k] = (work, every, mine)  # the buffers live until the wait
+                self.gather_log.append(("issue", k))
         for b in self.buckets:
             g = self.groups[b.group_id]
-            world, me = _size(g), _rank(g)
-            if world == 1:
+            if _size(g) == 1:
                 for sl in b.slots:
                     p, m = self.specs[sl.index].param, self.main[sl.index]
                     if m.data_ptr() != p.data_ptr():
                         p.copy_(m)
-                continue
-            mine = torch.zeros(b.seg_len, dtype=b.dtype, device=self.device)
-            for sl in b.slots:
-                if sl.owner == me:
-                    mine[sl.offset:sl.offset + sl.numel].copy_(self.main[sl.index].reshape(-1))
-            every = torch.empty(world * b.seg_len, dtype=b.dtype, device=self.device)
-            self._all_gather(every, mine, g)
-            for sl in b.slots:
-                p = self.specs[sl.index].param
-                if sl.owner == me and self.main[sl.index].data_ptr() == p.data_ptr():
-                    continue  # updated in place already
-                start = sl.owner * b.seg_len + sl.offset
-                p.copy_(every[start:start + sl.numel].view(p.shape))
+            elif not self.overlap_param_gather:
+                every, mine = self._gather_buffers(b)
+                self._all_gather(every, mine, g)
+                self._copy_gathered(b, every)
         self._reduced = False
+
+    def _gather_buffers(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """(receive buffer of ``world`` segments, this rank's segment holding its updated params)."""
+        g = self.groups[b.group_id]
+        world, me = _size(g), _rank(g)
+        mine = torch.zeros(b.seg_len, dtype=b.dtype, device=self.device)
+        for sl in b.slots:
+            if sl.owner == me:
+                mine[sl.offset:sl.offset + sl.numel].copy_(self.main[sl.index].reshape(-1))
+        return torch.empty(world * b.seg_len, dtype=b.dtype, device=self.device), mine
+
+    def _copy_gathered(self, b: _Bucket, every: torch.Tensor) -> None:
+        me = _rank(self.groups[b.group_id])
+        for sl in b.slots:
+            p = self.specs[sl.index].param
+            if sl.owner == me and self.main[sl.index].data_ptr() == p.data_ptr():
+                continue  # updated in place already
+            start = sl.owner * b.seg_len + sl.offset
+            p.copy_(every[start:start + sl.numel].view(p.shape))
+
+    # ---------------------------------------------------------------- all-gather behind the forward
+    def _make_gather_hook(self, ks: list[int]):
+        def hook(_module, _args):
+            if self._gather_pending:
+                self._wait_gathers(ks, "forward")
+        return hook
+
+    @torch.no_grad()
+    def _wait_gathers(self, ks, where: str) -> None:
+        for k in ks:
+            if k in self._gather_pending:
+                work, every, _mine = self._gather_pending.pop(k)
+                work.wait()  # the gather group's timeout bounds it
+                self._copy_gathered(self.buckets[k], every)
+                self.gather_log.append((where, k))
+
+    def finish_param_gather(self) -> None:
+        """Wait for every all-gather :meth:`step` left in flight (``overlap_param_gather``) and copy
+        it into the params, in issue order; a no-op when none is. Anything that reads or writes
+        parameter values outside a forward must call it first. This class calls it itself in
+        :meth:`reduce_gradients`, :meth:`step`, :meth:`state_dict`, :meth:`load_state_dict`,
+        :meth:`export_state` (so in :func:`consolidate_optimizer_state`) and
+        :func:`load_consolidated_state`, and hooks it to ``state_dict`` / ``load_state_dict`` of
+        every module of the model (checkpoint saves and loads, :func:`consolidate_model_state`,
+        ``load_full_state``). Not in :meth:`zero_grad`: it touches gradients only, and comes right
+        after :meth:`step`."""
+        if self._gather_pending:
+            self._wait_gathers(list(self._gather_pending), "finish")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop model and main gradients (``set_to_none=False`` is not supported: grads are views)."""
@@ -588,6 +767,7 @@ class ShardedOptimizer:
     def state_dict(self) -> dict:
         """This rank's shard: local Muon/AdamW state, fp32 main copies that are not the model's own
         tensors (bf16 models), and the ownership map a loader checks."""
+        self.finish_param_gather()
         return {
             "format": STATE_FORMAT,
             "rank": [_rank(g) for g in self.groups],
@@ -600,6 +780,7 @@ class ShardedOptimizer:
 
     def load_state_dict(self, state: dict) -> None:
         """Load a shard saved by the same rank of the same layout; ``ValueError`` names the mismatch."""
+        self.finish_param_gather()  # a gather landing later would overwrite what is loaded
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"optimizer state format {state.get('format')!r} is not {STATE_FORMAT!r}")
         mine, theirs = self.ownership(), state["ownership"]
@@ -633,6 +814,7 @@ class ShardedOptimizer:
         ``canonical``. A param that was never stepped has ``{}`` state (before the first step:
         every param). Tensors are copies.
         """
+        self.finish_param_gather()
         out = {"format": CANONICAL_FORMAT, "state": {}, "optimizer": {}, "hyperparameters": {}}
         groups = {id(p): (o, g) for o in self.optimizers for g in o.param_groups for p in g["params"]}
         for i in sorted(self.main):
@@ -792,6 +974,7 @@ def load_consolidated_state(sharded_opt: ShardedOptimizer, full_state: dict, pla
     saved ones (``torch.optim.Optimizer.load_state_dict`` semantics). Needs no collective. Raises
     ``ValueError`` if the state is for another model (missing/extra names, another optimizer, shapes).
     """
+    sharded_opt.finish_param_gather()
     if not isinstance(full_state, dict) or full_state.get("format") != CANONICAL_FORMAT:
         got = full_state.get("format") if isinstance(full_state, dict) else type(full_state).__name__
         raise ValueError(f"load_consolidated_state: state format {got!r} is not {CANONICAL_FORMAT!r} "
@@ -844,13 +1027,15 @@ def load_consolidated_state(sharded_opt: ShardedOptimizer, full_state: dict, pla
 
 
 def build_sharded_optimizer(model: nn.Module, optim_cfg: OptimConfig, plan, overlap_grad_reduce: bool = False,
-                            bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ShardedOptimizer:
+                            bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                            overlap_param_gather: bool = False) -> ShardedOptimizer:
     """The ZeRO-1 optimizer of a parallelized model, wired from its :class:`parallel.plan.ParallelPlan`:
     each gradient reduces over ``plan.grad_group`` (dp, or expert-dp for expert shards; None when
     that group has one rank), TP shards are declared, and the norm partitions are added."""
     ps = plan.ps
     opt = ShardedOptimizer(model, optim_cfg, ps.dp_cp_group, group_for=plan.make_grad_group_fn(),
-                           overlap_grad_reduce=overlap_grad_reduce, bucket_bytes=bucket_bytes)
+                           overlap_grad_reduce=overlap_grad_reduce, bucket_bytes=bucket_bytes,
+                           overlap_param_gather=overlap_param_gather)
     if ps.tp_size > 1:
         opt.set_tensor_parallel(ps.tp_group, plan.tp_shard_dim)
     for group, experts_only in plan.norm_partitions:

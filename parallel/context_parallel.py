@@ -15,16 +15,29 @@ read this one placement:
   (:func:`megak3.ops.attention.attention` with ``q_offset``). Backward reduce-scatters the latent's
   gradient (the autograd all-gather of megak3/ops/kda_cp.py).
 
-Cost of contiguous vs head-tail "zigzag" for causal MLA: with contiguous segments rank r attends to
-(r + 1/2) segments' worth of keys per query, so the last rank does ~(2cp-1)x the MLA score work of
-rank 0 (cp=4: 7x; in a whole K3 layer stack only the 24 MLA layers are imbalanced, the KDA, MoE and
-projection work is equal). Zigzag (rank r holds chunks r and 2cp-1-r) equalises that work, but
-breaks the KDA scan into two non-adjacent runs per rank: the scan would need two summaries per rank
-and a second exclusive fold in the middle of the ring, and the conv halos would come from two
-different ranks. We keep one placement for both kinds (contiguous) and accept the MLA imbalance:
-its score FLOPs are ~Tq*Tk*H*(192+128)*2 per layer, small beside the MoE at the sequence lengths
-this machine runs; at 1M tokens on GPUs the MLA imbalance is the first thing to revisit (listed in
-the README's CP section).
+Cost of contiguous vs head-tail "zigzag" placement (computed from the chunk pairs
+:func:`megak3.ops.attention.chunked_attention` visits; it skips key chunks wholly in the future).
+Causal MLA: rank r's S = T/cp queries see r*S + i + 1 keys each, so with one document over the row it
+computes S^2 * (r + 1/2) scores (forward FLOPs 2 * S^2 * (r + 1/2) * H * (qk + v head dims),
+K3: H = 96, 192 + 128): the last rank does (2cp-1)x the score work of rank 0 and (2cp-1)/cp x the
+average (cp=4: 7x and 1.75x; cp=32: 63x and 1.97x; the 256-token chunks computed whole on the diagonal
+lower these a little: 6.65x and 1.739x at T=16K, cp=4). Packed documents shorter than T/cp even it out
+(4K-token documents at T=64K, cp=4: every rank 1.00x the average; bench_long_context's three documents
+per row: ranks 0.64 / 0.80 / 1.48 / 1.09x). Memory: rank r expands K/V for (r+1)*S keys, the last rank
+for all T (cp x rank 0's); zigzag would not lower that peak with a latent all-gather (the rank holding
+the last chunk still needs every earlier key). In a whole layer stack only the MLA score work is uneven
+(KDA, MoE and projections do the same work per token on every rank), so by the planner's FLOP model
+(megak3/launch/planner.py ``layer_flops_per_token``, one document per row) the last rank's forward work
+is, at cp=4 for k3_tiny, 1.17x / 1.40x / 1.62x the average at T = 4K / 16K / 64K (MLA scores
+22% / 54% / 82% of the layer FLOPs), and 1.76x for K3 at T = 1M, cp=32 (MLA scores 79%): the planner
+charges each pipeline stage its MLA layers' share of that, and a balanced placement would cut the
+compute term of such a step by up to 43%. Zigzag (rank r holds chunks r and 2cp-1-r) equalises the
+score work, but breaks the KDA scan into two non-adjacent runs per rank: the scan would need two
+summaries per rank and a second exclusive fold in the middle of the ring, and the conv halos would come
+from two different ranks. We keep one placement for both kinds (contiguous) and accept the MLA
+imbalance; at 1M tokens it is the first thing to revisit (listed in the README's CP section). Measured
+on this CPU (docs/SCALING.md, k3_tiny, T = 64K, cp=4, the bench's row) the slowest rank's CPU time is
+only 1.05x a quarter of cp=1's: CPU time is not proportional to these FLOP shares.
 
 Documents. The global packing (``cu_seqlens`` over the flattened global ``B*T`` stream) is cut per
 rank by :func:`megak3.ops.kda_cp.cp_local_docs`: local ``cu_seqlens`` (row ends included), whether

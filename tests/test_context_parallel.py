@@ -2,11 +2,12 @@
 
 Layers: a KDA and a Gated-MLA layer on rows whose documents cross the CP boundaries (one document
 starting exactly on a boundary, one 1-token document), outputs and every gradient (parameters and
-the input) within 1e-5 relative of the whole-sequence layer, at cp = 2 and 4, packed and unpacked.
-Training: the production RankStep (parallel/parity.py run_steps) at cp2 / cp4 alone (step-0
-gradients of every parameter, losses, global grad norms) and cp2 combined with tp2+SP, dp2, pp2 and
-ep2 (losses within 1e-4, grad norms). Checkpoint: saved at cp2, resumed at cp1 with the loss of the
-uninterrupted run.
+the input) within 1e-5 relative of the whole-sequence layer, at cp = 2, 4 and 8, packed and unpacked.
+Training: the production RankStep (parallel/parity.py run_steps), 5 steps, at cp2 / cp4 / cp8 alone
+(step-0 gradients of every parameter, losses, global grad norms) and cp2 combined with tp2+SP, dp2,
+pp2 and ep2 (losses within 1e-4, grad norms); ep2 with MoonEP (counted: every MoE layer's forward
+went through MoonEPDispatcher and it planned replicas) and with the baseline dispatcher.
+Checkpoint: saved at cp2, resumed at cp1 with the loss of the uninterrupted run.
 """
 import shutil
 
@@ -23,9 +24,12 @@ from parallel.parity import PARITY_MODEL as MODEL, run_steps
 from parallel.testing import run_distributed
 
 B, T = 2, 48
-# row 0: documents [0,13) [13,24) [24,25) [25,48): cp2 boundary (24) starts a document, cp4 (12, 36)
-# cut documents in the middle; row 1: one document spanning every rank
+# row 0: documents [0,13) [13,24) [24,25) [25,48): the cp2 boundary (24) starts a document, cp4 (12,
+# 36) cut documents in the middle, cp8 (segments of 6 >= the conv halo of 3) cuts [0,13) twice (6, 12:
+# a segment that ends 1 token into it), [13,24) at 18 and [25,48) three times (30, 36, 42), and the
+# 1-token document [24,25) sits at the start of a segment; row 1: one document spanning every rank
 CU = [0, 13, 24, 25, 48, 96]
+CPS = [2, 4, 8]
 
 
 def rel(a, b):
@@ -71,7 +75,7 @@ def _cp_layer(rank, world, kind, packed):
 
 
 @pytest.mark.parametrize("kind", ["kda", "mla"])
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", CPS)
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
 def test_layer_matches_whole_sequence(kind, cp, packed):
     m, x, dy = _layer(kind)
@@ -83,6 +87,19 @@ def test_layer_matches_whole_sequence(kind, cp, packed):
     assert grads.keys() == g_ref.keys()
     for n in g_ref:
         assert rel(grads[n], g_ref[n]) < 1e-5, (n, rel(grads[n], g_ref[n]))
+
+
+def test_documents_cross_the_cp_boundaries():
+    """The packed rows above exercise what they claim at every cp: boundaries inside a document (the
+    KDA incoming state, the conv halo, MLA keys of the same document on earlier ranks), a document
+    over three or more segments (state folded through a whole rank), and one starting on a boundary."""
+    for cp in CPS:
+        S = T // cp
+        cuts = [b * T + r * S for b in range(B) for r in range(1, cp)]
+        inside = [c for c in cuts if c not in CU]
+        assert inside and len(inside) < len(cuts), (cp, inside)  # some cut mid-document, one on a start
+        spans = [len({t // S for t in range(s, e)}) for s, e in zip(CU, CU[1:])]
+        assert max(spans) >= 3 if cp > 2 else max(spans) == 2, (cp, spans)
 
 
 def test_cutting_documents_changes_the_answer():
@@ -97,7 +114,9 @@ def test_cutting_documents_changes_the_answer():
 
 
 # ---- the production step: cp alone and combined -------------------------------------------------
-STEPS = 3
+STEPS = 5
+_CFG = load_model_config("k3_tiny", **MODEL)
+MOE_LAYERS = _CFG.num_layers - _CFG.first_k_dense  # 8: every layer after the dense first one
 GRAD_RTOL, PARAM_RTOL, LOSS_TOL, NORM_RTOL = 1e-5, 5e-5, 1e-4, 1e-3
 
 
@@ -127,11 +146,43 @@ def _compare(ref, got, grads: bool):
 LAYOUTS = {  # name: (world, run_steps kwargs)
     "cp2": (2, dict(cp=2)),
     "cp4": (4, dict(cp=4)),
+    "cp8": (8, dict(cp=8)),  # 4 tokens per rank and row: >= the conv halo (3); KDA chunk 16 > segment
     "cp2-tp2-sp": (4, dict(cp=2, tp=2, sp=True)),
     "cp2-dp2": (4, dict(cp=2, dp=2)),
     "cp2-pp2": (4, dict(cp=2, pp=2)),
-    "cp2-ep2": (2, dict(cp=2, ep=2)),
+    "cp2-ep2": (2, dict(cp=2, ep=2)),  # MoonEP (the default, moonep.enabled=true) over the CP ranks
+    "cp2-ep2-baseline": (2, dict(cp=2, ep=2, moonep=False)),  # the baseline dispatcher
 }
+
+
+def _run_steps_counting_dispatch(rank, world, *args, moonep: bool = True, **kw):
+    """run_steps, with moonep.enabled set and every expert dispatcher's calls counted on this rank:
+    (run_steps' result, {'moonep': calls, 'baseline': calls, 'replicas': MoonEP replicas planned})."""
+    import parallel.parity as parity
+    from moonep.dispatch import BaselineDispatcher
+    from moonep.moonep import MoonEPDispatcher
+
+    seen = {"moonep": 0, "baseline": 0, "replicas": 0}
+    moon_call, base_call, job_of = MoonEPDispatcher.__call__, BaselineDispatcher.__call__, parity.parity_job
+
+    def moon(self, *a, **k):
+        out = moon_call(self, *a, **k)
+        seen["moonep"] += 1
+        seen["replicas"] += int(self.last["num_replicas"])
+        return out
+
+    def base(self, *a, **k):
+        seen["baseline"] += 1
+        return base_call(self, *a, **k)
+
+    def job(*a, **k):
+        j = job_of(*a, **k)
+        j.moonep.enabled = moonep
+        return j
+
+    MoonEPDispatcher.__call__, BaselineDispatcher.__call__, parity.parity_job = moon, base, job
+    out = parity.run_steps(rank, world, *args, **kw)
+    return out, seen
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -139,8 +190,15 @@ def test_training_matches_single_process(reference, name):
     world, kw = LAYOUTS[name]
     kw = dict(kw)
     tp, dp, sp = kw.pop("tp", 1), kw.pop("dp", 1), kw.pop("sp", False)
-    got = run_distributed(run_steps, world, tp, dp, sp, STEPS, MODEL, timeout_s=300, **kw)[0]
+    outs = run_distributed(_run_steps_counting_dispatch, world, tp, dp, sp, STEPS, MODEL, timeout_s=300, **kw)
+    got, seen = outs[0]
     _compare(reference, got, grads=got["grads"] is not None)
+    calls = MOE_LAYERS * STEPS  # one dispatch per MoE layer forward (no recompute in run_steps)
+    want = {"moonep": calls if kw.get("ep", 1) > 1 and kw.get("moonep", True) else 0,
+            "baseline": calls if kw.get("ep", 1) > 1 and not kw.get("moonep", True) else 0}
+    assert {k: seen[k] for k in want} == want, seen
+    if want["moonep"]:  # the replica path (weight fetch, gradient return) ran, not just the home experts
+        assert seen["replicas"] > 0, seen
 
 
 # ---- checkpoint written at cp2 resumes at cp1 ----------------------------------------------------

@@ -20,6 +20,16 @@ from parallel.testing import run_distributed
 CFG = OptimConfig(lr=2e-2, warmup_steps=1, schedule="cosine", grad_clip=0.05, ns_dtype="float32")
 
 
+
+def _rank_rows(batch, rank: int, world: int):
+    """This rank's rows of a step's batch and the labelled-token count over the group."""
+    ids, labels = batch
+    b = ids.shape[0] // world
+    ids, labels = ids[rank * b:(rank + 1) * b], labels[rank * b:(rank + 1) * b]
+    tokens = (labels != -100).sum().reshape(1)
+    dist.all_reduce(tokens)
+    return ids, labels, tokens
+
 def _zero1_worker(rank, world, steps, micro):
     from test_data_parallel import make_batches, tiny_loss_sum, tiny_model
 
@@ -35,11 +45,7 @@ def _zero1_worker(rank, world, steps, micro):
         opt._reduce_scatter_async = lambda *a: (events.append("reduce_scatter"), launch(*a))[1]
         losses, order = [], []
         for step in range(steps):
-            ids, labels = batches[step]
-            b = ids.shape[0] // world
-            ids, labels = ids[rank * b:(rank + 1) * b], labels[rank * b:(rank + 1) * b]
-            tokens = (labels != -100).sum().reshape(1)
-            dist.all_reduce(tokens)
+            ids, labels, tokens = _rank_rows(batches[step], rank, world)
             loss = torch.zeros(())
             for k, (i_m, l_m) in enumerate(zip(ids.chunk(micro), labels.chunk(micro))):
                 if k == micro - 1:
@@ -137,11 +143,7 @@ def _gather_worker(rank, world, steps, micro):
                   overlap_param_gather=kind != "off")
         losses, pending, waits, stale = [], [], [], []
         for step in range(steps):
-            ids, labels = batches[step]
-            b = ids.shape[0] // world
-            ids, labels = ids[rank * b:(rank + 1) * b], labels[rank * b:(rank + 1) * b]
-            tokens = (labels != -100).sum().reshape(1)
-            dist.all_reduce(tokens)
+            ids, labels, tokens = _rank_rows(batches[step], rank, world)
             loss = torch.zeros(())
             with StaleReads(opt) as reads:
                 for i_m, l_m in zip(ids.chunk(micro), labels.chunk(micro)):

@@ -264,10 +264,12 @@ def print_cp_tables(args, Ts, res, cfg):
             a_kda, a_mla = alt_bytes(cfg, T, cp)
             print(f"{T:7d} {cp:3d} {fmt(scan):>11} {fmt(halo):>11} {fmt(a_kda):>11} {a_kda / (scan + halo):16.1f} "
                   f"{fmt(lat):>11} {fmt(a_mla):>11} {a_mla / lat:11.2f}")
+    k3 = load_model_config("k3_full").mla
+    per_head = 2 * (k3.qk_nope_head_dim + k3.qk_rope_head_dim) + 2 * k3.v_head_dim
     print("  KDA: the scan's bytes do not grow with T (the a2a's do); MLA: the latent gather sends every earlier "
           "token's latent to every later rank ((cp-1) x local tokens x (kv_lora_rank+rope) fp32 each way), "
-          "the a2a (cp-1)/cp x local tokens x H x (2 (nope+rope) + 2 v) - at K3 size 576 vs 64 x 640 values "
-          "per token per rank pair")
+          "the a2a (cp-1)/cp x local tokens x H x (2 (nope+rope) + 2 v) - at K3 size "
+          f"{k3.kv_lora_rank + k3.qk_rope_head_dim} vs {k3.num_heads} x {per_head} values per token per rank pair")
 
 
 

@@ -833,7 +833,8 @@ class ShardedOptimizer:
 
         ``main_param_bytes`` = 4·owned numel (fp32 main weights; for an fp32 model they are the
         model's own tensors). ``optimizer_state_bytes`` is measured from the local optimizers'
-        state (0 before the first step). Analytic per element: Muon 4 B (momentum), AdamW 8 B
+        state (0 before the first step); ``optimizer_state_host_bytes`` is the part of it held in
+        host memory while the params are on an accelerator (``optim.offload=cpu``). Analytic per element: Muon 4 B (momentum), AdamW 8 B
         (exp_avg, exp_avg_sq); ``expected_*`` is the whole model's total / dp, and
         ``owned_expected_state_bytes`` the analytic value for this rank's own params.
         ``numel_per_rank`` / ``imbalance`` (max / mean) cover the params on ``dp_group``;
@@ -849,8 +850,11 @@ class ShardedOptimizer:
                 numel_per_rank[self.owner[i]] = numel_per_rank.get(self.owner[i], 0) + s.param.numel()
         per_rank = [numel_per_rank.get(r, 0) for r in range(world)]
         owned = list(self.main)
-        measured = sum(t.numel() * t.element_size() for o in self.optimizers for st in o.state.values()
-                       for t in st.values() if torch.is_tensor(t))
+        state = [t for o in self.optimizers for st in o.state.values() for t in st.values() if torch.is_tensor(t)]
+        measured = sum(t.numel() * t.element_size() for t in state)
+        # optim.offload=cpu keeps the AdamW state in host memory while the params are on a GPU
+        on_host = sum(t.numel() * t.element_size() for t in state
+                      if t.device.type == "cpu" and self.device.type != "cpu")
         total_numel = sum(s.param.numel() for s in self.specs)
         total_state = sum(state_per_elem(i) * s.param.numel() for i, s in enumerate(self.specs))
         payload = sum(sl.numel for b in self.buckets for sl in b.slots)
@@ -864,6 +868,7 @@ class ShardedOptimizer:
             "imbalance": max(per_rank) / max(1.0, sum(per_rank) / world),
             "main_param_bytes": 4 * sum(self.specs[i].param.numel() for i in owned),
             "optimizer_state_bytes": measured,
+            "optimizer_state_host_bytes": on_host,
             "owned_expected_state_bytes": sum(state_per_elem(i) * self.specs[i].param.numel() for i in owned),
             "expected_main_param_bytes": 4 * total_numel / world,
             "expected_state_bytes": total_state / world,

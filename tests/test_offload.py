@@ -204,6 +204,27 @@ def test_zero1_rebuilds_the_same_kernel(impl, cls):
     assert sorted(g["weight_decay"] for g in opt.adamw.param_groups) == [0.0, cfg.weight_decay]
 
 
+def test_memory_report_names_the_host_resident_state():
+    """memory_report's optimizer_state_host_bytes: the AdamW state an offloaded optimizer keeps in
+    host memory while the params sit on an accelerator (the device is stood in for: no GPU here)."""
+    from megak3.config import load_model_config
+    from megak3.model.k3 import build_model
+    from parallel.data_parallel import ShardedOptimizer
+
+    model = build_model(load_model_config("k3_tiny", **SMALL_MODEL))
+    opt = ShardedOptimizer(model, OptimConfig(offload="cpu", offload_impl="torch"))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.reduce_gradients()
+    opt.step()
+    rep = opt.memory_report()
+    assert rep["optimizer_state_host_bytes"] == 0          # CPU params: host memory is the device
+    adam = sum(t.numel() * t.element_size() for st in opt.adamw.state.values() for t in st.values())
+    assert 0 < adam < rep["optimizer_state_bytes"]       # Muon momentum is the rest
+    opt.device = torch.device("cuda")                     # the params' device, as a GPU run sees it
+    assert opt.memory_report()["optimizer_state_host_bytes"] == rep["optimizer_state_bytes"]
+
+
 def _offload_steps(rank, world, dp, offload, impl, steps):
     """run_steps (the production RankStep loop) with ``optim.offload`` / ``optim.offload_impl`` set."""
     make = parity.parity_job

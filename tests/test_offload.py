@@ -6,6 +6,7 @@ and their state dicts load into each other and into torch's AdamW. Training: the
 RankStep (parallel/parity.py run_steps) with offload=cpu against offload=none, one process and
 ZeRO-1 over dp=2, and a checkpoint saved without offload resumed with it (the Trainer).
 """
+import re
 import sys
 
 import pytest
@@ -173,10 +174,13 @@ def test_build_optimizer_and_config_errors(monkeypatch):
         code, msg = check([argv], local=False)
         assert code == 2 and needle in msg and "\n" not in msg, msg
     monkeypatch.setattr("megak3.optim.config.find_spec", lambda name: None)
-    with pytest.raises(ValueError, match=r"^optim.offload_impl='deepspeed' needs DeepSpeed, which is not "
-                                         r"installed: pip install .*\[offload\].*optim.offload_impl=torch$"):
-        OptimConfig(offload="cpu", offload_impl="deepspeed").validate()
-    OptimConfig(offload="none", offload_impl="deepspeed").validate()  # not used: not checked
+    OptimConfig(offload="cpu", offload_impl="deepspeed").validate()   # valid: checked where it runs
+    code, msg = check(["optim.offload=cpu", "optim.offload_impl=deepspeed"])
+    assert code == 2 and "\n" not in msg.strip(), msg
+    assert re.search(r"optim.offload_impl='deepspeed' needs DeepSpeed, which is not installed: "
+                     r"pip install .*\[offload\].*optim.offload_impl=torch", msg), msg
+    assert check(["optim.offload=cpu", "optim.offload_impl=deepspeed"], local=False) == (0, None)
+    assert check(["optim.offload=none", "optim.offload_impl=deepspeed"]) == (0, None)  # not used: not checked
     for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")] or ["deepspeed"]:
         monkeypatch.setitem(sys.modules, name, None)  # import deepspeed -> ImportError
     with pytest.raises(ValueError, match=r"^optim.offload_impl='deepspeed': DeepSpeed's CPU Adam did not load"):

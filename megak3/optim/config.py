@@ -83,9 +83,6 @@ class OptimConfig:
         need(0 <= self.grad_clip < float("inf"), "grad_clip", "must be a finite number >= 0 (0 disables clipping)")
         need(self.offload in OFFLOADS, "offload", f"must be one of {OFFLOADS}")
         need(self.offload_impl in OFFLOAD_IMPLS, "offload_impl", f"must be one of {OFFLOAD_IMPLS}")
-        need(not (self.offload == "cpu" and self.offload_impl == "deepspeed") or find_spec("deepspeed") is not None,
-             "offload_impl", f"needs DeepSpeed, which is not installed: {DEEPSPEED_INSTALL}, or set "
-             "optim.offload_impl=torch")
         if max_steps is None:
             return self
         if max_steps <= 0:
@@ -97,6 +94,15 @@ class OptimConfig:
                  f"gives {decay} decay steps; with optim.warmup_steps={self.warmup_steps} that "
                  f"exceeds max_steps={max_steps}")
         return self
+
+
+def offload_error(cfg: OptimConfig) -> str | None:
+    """Why this machine cannot run ``cfg``'s offload kernel (one line naming the field), or None.
+    Checked where the job runs (megak3/train/compose.py check_local), not where it is composed."""
+    if cfg.offload == "cpu" and cfg.offload_impl == "deepspeed" and find_spec("deepspeed") is None:
+        return (f"optim.offload_impl='deepspeed' needs DeepSpeed, which is not installed: {DEEPSPEED_INSTALL}, "
+                "or set optim.offload_impl=torch")
+    return None
 
 
 def wsd_decay_steps(cfg: OptimConfig, max_steps: int) -> int:

@@ -211,8 +211,9 @@ def to_job(cfg: DictConfig, world_size: Optional[int] = None, notices: Optional[
 
 
 def check_local(job: JobConfig) -> None:
-    """What this machine must provide for the job: CUDA when asked for, the dataset and tokenizer
-    files, the checkpoint to resume from. Reads, never writes."""
+    """What this machine must provide for the job: CUDA when asked for, apex / DeepSpeed when asked
+    for (model.norm_impl=apex, optim.offload_impl=deepspeed), the dataset and tokenizer files, the
+    checkpoint to resume from. Reads, never writes."""
     from ..data.config import DEMOS, resolve_dataset
 
     if job.train.device == "cuda":
@@ -220,6 +221,17 @@ def check_local(job: JobConfig) -> None:
 
         if not torch.cuda.is_available():
             raise ConfigError("train.device=cuda but CUDA is not available; use train.device=cpu or auto")
+    if job.model.norm_impl == "apex":  # optional kernels: present on this machine?
+        from ..model.norm import norm_impl_error
+
+        err = norm_impl_error("apex")
+        if err:
+            raise ConfigError(err)
+    from ..optim.config import offload_error
+
+    err = offload_error(job.optim)
+    if err:
+        raise ConfigError(err)
     if job.data.path not in DEMOS:
         _, tok = resolve_dataset(job.data)
         from ..data.tokenizer import load_tokenizer

@@ -341,16 +341,14 @@ class ShardedOptimizer:
         self._hooks: list = []
         self.overlap_log: list[tuple[str, int]] = []
         """("launch", bucket) per bucket issued during backward in the last armed step, in order"""
+        first = self._first_positions(model) if overlap_grad_reduce or overlap_param_gather else {}
         if self.overlap_grad_reduce:
-            pos = {id(p): k for k, p in enumerate(model.parameters())}
             self._bucket_of = [-1] * len(self.specs)
-            multi = [k for k, b in enumerate(self.buckets) if _size(self.groups[b.group_id]) > 1]
-            for k in multi:
+            for k in first:
                 for sl in self.buckets[k].slots:
                     self._bucket_of[sl.index] = k
             # earliest param (in model order) completes last in backward: issue those buckets last
-            self._launch_order = sorted(multi, key=lambda k: (-min(pos.get(id(self.specs[sl.index].param), 0)
-                                                                   for sl in self.buckets[k].slots), k))
+            self._launch_order = sorted(first, key=lambda k: (-first[k], k))
             for i, s in enumerate(self.specs):
                 if self._bucket_of[i] >= 0:
                     self._hooks.append(s.param.register_post_accumulate_grad_hook(self._make_hook(i)))
@@ -362,11 +360,8 @@ class ShardedOptimizer:
         bucket) / ("finish", bucket) as each was waited for by a forward pre-hook / by
         :meth:`finish_param_gather`"""
         if self.overlap_param_gather:
-            pos = {id(p): k for k, p in enumerate(model.parameters())}
-            multi = [k for k, b in enumerate(self.buckets) if _size(self.groups[b.group_id]) > 1]
             # the next forward needs the earliest params (in model order) first: issue those first
-            self._gather_order = sorted(multi, key=lambda k: (min(pos.get(id(self.specs[sl.index].param), 0)
-                                                                  for sl in self.buckets[k].slots), k))
+            self._gather_order = sorted(first, key=lambda k: (first[k], k))
             self.gather_groups = self._make_gather_groups()
             block_of = forward_blocks(model)
             waits: dict[int, tuple[nn.Module, list[int]]] = {}   # id(block) -> (block, its buckets)
@@ -381,6 +376,13 @@ class ShardedOptimizer:
             for m in model.modules():  # model.state_dict() / load_state_dict(): checkpoints, consolidation
                 self._hooks.append(m.register_state_dict_pre_hook(lambda *_: self.finish_param_gather()))
                 self._hooks.append(m.register_load_state_dict_pre_hook(lambda *_: self.finish_param_gather()))
+
+    def _first_positions(self, model: nn.Module) -> dict[int, int]:
+        """Multi-rank bucket -> position of its earliest param in ``model.parameters()`` (the order
+        the forward uses them and, reversed, the order the backward completes them)."""
+        pos = {id(p): k for k, p in enumerate(model.parameters())}
+        return {k: min(pos.get(id(self.specs[sl.index].param), 0) for sl in b.slots)
+                for k, b in enumerate(self.buckets) if _size(self.groups[b.group_id]) > 1}
 
     def remove_hooks(self) -> None:
         """Remove every hook this optimizer installed on the model (gradient, forward pre-, state-dict

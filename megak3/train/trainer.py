@@ -338,21 +338,23 @@ class Trainer:
         self._pending.append(rec)
         return rec
 
-    def _count_nonfinite(self, step: int) -> None:
+    def _count_nonfinite(self, step: int) -> Optional[NonFiniteError]:
         """Count a skipped step (read with the log window's metrics); under ``train.nonfinite=stop``,
-        or past ``train.max_nonfinite_steps`` such steps, raise :class:`NonFiniteError` (one line,
-        naming the step). Checked at log steps: the steps run since then changed nothing if their
-        norms were non-finite too (each step is skipped on the device on its own)."""
+        or past ``train.max_nonfinite_steps`` such steps, return the :class:`NonFiniteError` to stop
+        with (one line, naming the step), else None. Checked at log steps: the steps run since then
+        changed nothing if their norms were non-finite too (each step is skipped on the device on
+        its own)."""
         t, o = self.job.train, self.job.optim
         self.nonfinite_steps += 1
         if t.nonfinite == "stop" or self.nonfinite_steps > t.max_nonfinite_steps:
             why = ("train.nonfinite=stop" if t.nonfinite == "stop" else
                    f"more than train.max_nonfinite_steps={t.max_nonfinite_steps} skipped")
-            raise NonFiniteError(
+            return NonFiniteError(
                 f"step {step}: the loss / gradient norm is NaN or inf ({self.nonfinite_steps} such "
                 f"step(s), {why}); the run diverged: lower optim.lr={o.lr:g}, raise "
                 f"optim.warmup_steps={o.warmup_steps} or set optim.grad_clip (no checkpoint holds "
                 "a non-finite value)")
+        return None
 
     def _expert_load_window(self) -> dict:
         """Expert-load metrics of the logging window (the one host sync of the statistics).
@@ -437,10 +439,8 @@ class Trainer:
             if m["skipped_nonfinite"]:
                 logger.write(f"step {step}: loss {m['loss']:.4g}, grad norm {m['grad_norm']:.4g}: not finite, "
                              f"step skipped ({self.nonfinite_steps + 1} so far)")
-                try:
-                    self._count_nonfinite(step)
-                except NonFiniteError as e:
-                    stop = stop or e
+                err = self._count_nonfinite(step)   # every skipped step is counted
+                stop = stop or err
             self.history.append({"step": step, "loss": m["loss"]})
             if i == len(records) - 1:  # window figures go with the window's last step
                 m.update(clock.step(window_tokens, window_steps))

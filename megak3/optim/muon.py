@@ -136,10 +136,14 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         found_inf = getattr(self, "found_inf", None)
-        ok = None if found_inf is None else found_inf == 0
+        ok = None  # on the params' device (one device per optimizer), so no op mixes devices
+        if found_inf is not None:
+            ok = (found_inf == 0).to(next(p.device for g in self.param_groups for p in g["params"]))
         for group in self.param_groups:
             lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
             ns_dtype = getattr(torch, group["ns_dtype"])
+            if ok is not None:  # the group's flagged factors: identity when the step is skipped
+                mu_ok, keep_ok = torch.where(ok, mu, 1.0), torch.where(ok, 1.0 - lr * wd, 1.0)
             for p, heads in zip(group["params"], group["heads"]):
                 if p.grad is None:
                     continue
@@ -149,9 +153,8 @@ class Muon(torch.optim.Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(g)
                 buf = state["momentum_buffer"]
                 if ok is not None:
-                    ok_d = ok.to(g.device)
-                    g = torch.where(ok_d, g, 0.0)   # NaN/inf never reaches the state
-                    buf.mul_(torch.where(ok_d, mu, 1.0).to(buf.dtype)).add_(g)
+                    g = torch.where(ok, g, 0.0)   # NaN/inf never reaches the state
+                    buf.mul_(mu_ok.to(buf.dtype)).add_(g)
                 else:
                     buf.mul_(mu).add_(g)
                 update = g.add(buf, alpha=mu) if group["nesterov"] else buf
@@ -165,10 +168,9 @@ class Muon(torch.optim.Optimizer):
                     ortho = ortho.chunk(len(_group_ranks(shard[1])), dim=shard[0])[rank]
                 # Decoupled weight decay uses the unscaled η (Moonlight); the update uses the block scale.
                 if ok is not None:
-                    ok_p = ok.to(p.device)
-                    p.mul_(torch.where(ok_p, 1.0 - lr * wd, 1.0).to(p.dtype))
+                    p.mul_(keep_ok.to(p.dtype))
                     # addcmul with a 0-dim factor rounds like add_(alpha=): bitwise the unflagged path
-                    p.addcmul_(ortho.to(p.dtype), torch.where(ok_p, -lr * scale, 0.0).to(p.dtype))
+                    p.addcmul_(ortho.to(p.dtype), torch.where(ok, -lr * scale, 0.0).to(p.dtype))
                 else:
                     p.mul_(1.0 - lr * wd)
                     p.add_(ortho.to(p.dtype), alpha=-lr * scale)

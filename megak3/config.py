@@ -221,8 +221,10 @@ class ModelConfig:
         for name, val in (("rms_norm_eps", self.rms_norm_eps), ("mla.latent_norm_eps", m.latent_norm_eps)):
             need(0 < val < 1, f"model.{name}={val} must lie in (0, 1) (typical: 1e-5)")
         need(0 < self.init_std < 1, f"model.init_std={self.init_std} must lie in (0, 1) (K3 uses 0.02)")
-        need(self.norm_impl in ("auto", "torch", "apex"),  # apex's presence: compose.check_local
-             f"model.norm_impl={self.norm_impl!r}: choose 'auto', 'torch' or 'apex'")
+        from .model.norm import norm_impl_error
+
+        err = norm_impl_error(self.norm_impl, check_apex=False)  # apex's presence: compose.check_local
+        need(err is None, err)
         need(0 < v.routed_scaling_factor < float("inf"),
              f"model.moe.routed_scaling_factor={v.routed_scaling_factor} must be a positive number")
         need(v.qb_bins >= 2, f"model.moe.qb_bins={v.qb_bins} must be >= 2")

@@ -221,15 +221,10 @@ def check_local(job: JobConfig) -> None:
 
         if not torch.cuda.is_available():
             raise ConfigError("train.device=cuda but CUDA is not available; use train.device=cpu or auto")
-    if job.model.norm_impl == "apex":  # optional kernels: present on this machine?
-        from ..model.norm import norm_impl_error
-
-        err = norm_impl_error("apex")
-        if err:
-            raise ConfigError(err)
+    from ..model.norm import norm_impl_error  # optional kernels asked for: present on this machine?
     from ..optim.config import offload_error
 
-    err = offload_error(job.optim)
+    err = norm_impl_error(job.model.norm_impl) or offload_error(job.optim)
     if err:
         raise ConfigError(err)
     if job.data.path not in DEMOS:

@@ -246,7 +246,7 @@ def test_query_offset_plan_skips_chunks_of_earlier_documents():
 @pytest.mark.parametrize("with_docs", [True, False])
 @pytest.mark.parametrize("q_offset", [0, 40, 96])
 def test_flex_block_mask_matches_reference(with_docs, q_offset):
-    """flex_attention_twin (what attention() runs on CUDA with documents or a CP offset) against the
+    """flex_document_attention (what attention() runs on CUDA with documents or a CP offset) against the
     dense and chunked twins. Eager FlexAttention on CPU: forward only (torch 2.13 has no CPU
     FlexAttention backward); the compiled CUDA kernel and its gradients run in tools/gpu_check.py."""
     from megak3.ops import attention as A
@@ -264,10 +264,10 @@ def test_flex_block_mask_matches_reference(with_docs, q_offset):
         doc[1, 100:] = 2
         doc[1, 110:] = 3
     with torch.no_grad():
-        got = A.flex_attention_twin(q, k, v, 0.2, doc, q_offset, compiled=False)
+        got = A.flex_document_attention(q, k, v, 0.2, doc, q_offset, compiled=False)
         ref = reference_attention(q, k, v, 0.2, doc, q_offset)
         chunked = chunked_attention(q, k, v, 0.2, doc, 32, 32, q_offset)
     assert (got - ref).abs().max() < 1e-5
     assert (got - chunked).abs().max() < 1e-5
     if with_docs:  # the check can fail: the same call without documents is another answer
-        assert (A.flex_attention_twin(q, k, v, 0.2, None, q_offset, compiled=False) - ref).abs().max() > 1e-2
+        assert (A.flex_document_attention(q, k, v, 0.2, None, q_offset, compiled=False) - ref).abs().max() > 1e-2

@@ -30,7 +30,7 @@ the probabilities chunk pair by chunk pair, so forward and backward both use O(T
 ``attention`` is the entry point: without document ids it calls
 ``F.scaled_dot_product_attention(is_causal=True)`` on any device (its CPU and CUDA flash kernels keep
 memory linear in T); on CUDA with document ids or a query offset (context parallelism) it calls
-``flex_attention_twin``: a compiled FlexAttention with a causal document block mask, offset by
+``flex_document_attention``: a compiled FlexAttention with a causal document block mask, offset by
 ``q_offset``, when ``torch.nn.attention.flex_attention`` imports (if it raises, a warning is issued
 once and the chunked path is used from then on); elsewhere it calls ``chunked_attention``. The block
 mask (``flex_block_mask``) is tested on CPU against the chunked and dense twins with torch's eager
@@ -275,10 +275,11 @@ def flex_block_mask(doc_BT: Optional[torch.Tensor], B: int, Tq: int, Tk: int, q_
     return bm
 
 
-def flex_attention_twin(q_BHTK, k_BHTK, v_BHTV, scale: float, doc_ids_BT: Optional[torch.Tensor] = None,
-                        q_offset: int = 0, compiled: bool = True) -> torch.Tensor:
-    """Causal same-document attention by FlexAttention (block-sparse: fully masked blocks are never
-    computed; memory linear in T), the GPU form of :func:`chunked_attention` with the same arguments.
+def flex_document_attention(q_BHTK, k_BHTK, v_BHTV, scale: float, doc_ids_BT: Optional[torch.Tensor] = None,
+                            q_offset: int = 0, compiled: bool = True) -> torch.Tensor:
+    """Causal same-document attention by FlexAttention, the GPU form of :func:`chunked_attention`
+    with the same arguments: the compiled kernel computes scores tile by tile and skips fully masked
+    blocks, so no [Tq, Tk] tensor exists; the block mask itself is [B, 1, Tq/128, Tk/128] int32.
     ``compiled=False`` runs torch's eager FlexAttention (dense scores: for testing the mask on CPU,
     where torch 2.13's FlexAttention has no backward). Inputs keep their dtype (bf16 under
     autocast); the kernel's softmax statistics are fp32."""
@@ -306,7 +307,7 @@ def attention(q_BHTK, k_BHTK, v_BHTV, scale: float, doc_ids_BT: Optional[torch.T
         return F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTV, is_causal=True, scale=scale)
     if q_BHTK.is_cuda and not _flex_failed and _flex_functions() is not None:
         try:
-            return flex_attention_twin(q_BHTK, k_BHTK, v_BHTV, scale, doc_ids_BT, q_offset)
+            return flex_document_attention(q_BHTK, k_BHTK, v_BHTV, scale, doc_ids_BT, q_offset)
         except Exception as e:  # noqa: BLE001 - fall back to the chunked path for good
             _flex_failed = True
             warnings.warn(f"FlexAttention failed ({type(e).__name__}: {e}); using chunked_attention")

@@ -49,11 +49,11 @@ def convert(src, out_root) -> Path:
     manifest = ckpt.read_manifest(path)
     if manifest.get("format") == SHARDS_FORMAT:
         raise ValueError(f"{path} is already in the {SHARDS_FORMAT} format")
-    common, manifest = ckpt.load_checkpoint(path, weights_only=False)
+    common, manifest = ckpt.load_checkpoint(path)
     names = sorted(n for n in manifest["files"] if n.startswith("rank_") and n.endswith(".pt"))
     if not names:
         raise ValueError(f"{path} holds no rank_XXXXX.pt parts; it is not a per-rank part checkpoint")
-    parts = [ckpt.load_part(path, n, weights_only=False) for n in names]
+    parts = [ckpt.load_part(path, n) for n in names]
     full_model, full_optim = sharded_state.merge_parts(parts)
 
     entries: dict = {}

@@ -27,8 +27,10 @@ its size only.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -232,9 +234,37 @@ def _publish(root: Path, tmp: Path, name: str, keep_last: Optional[int]) -> Path
     return final
 
 
-def load_part(path, filename: str, map_location="cpu", weights_only: bool = True):
-    """Load one part of a checkpoint that :func:`load_checkpoint` has validated."""
-    return torch.load(Path(path) / filename, map_location=map_location, weights_only=weights_only)
+def load_part(path, filename: str, map_location="cpu"):
+    """Load one part of a checkpoint that :func:`load_checkpoint` has validated (safe loader)."""
+    return safe_load((Path(path) / filename).read_bytes(), Path(path) / filename, map_location)
+
+
+def safe_load(data: bytes, name, map_location="cpu"):
+    """Unpickle checkpoint bytes with torch's safe loader (``weights_only=True``: tensors, plain
+    containers, primitives). A file that needs the full unpickler is refused with one line naming
+    it: checkpoints travel between people and clusters and a manifest's hashes are not signatures,
+    so a replaced pickle must never run."""
+    try:
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(f"checkpoint file {name} holds objects that only a full unpickler could load "
+                              f"(refused; nothing in it was run): {first[:160]}") from None
+
+
+def safe_dumps(obj, what: str) -> bytes:
+    """``torch.save`` bytes of ``obj``, checked to load with :func:`safe_load`: a value that would
+    need the full unpickler is refused before anything is written, naming it."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    try:
+        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"checkpoint {what} must hold only tensors, plain containers and primitives "
+                         f"(weights_only-loadable): {first[:160]}") from None
+    return data
 
 
 def _prune(root: Path, keep_last: int, protect: Path) -> None:
@@ -353,19 +383,19 @@ def find_latest(root, verify_checksums: bool = True) -> Optional[Path]:
     return None
 
 
-def load_checkpoint(path, map_location="cpu", weights_only: bool = True) -> tuple[dict, dict]:
+def load_checkpoint(path, map_location="cpu") -> tuple[dict, dict]:
     """Validate and load a checkpoint directory; returns ``(state, manifest)``.
 
     Raises ``CheckpointError`` naming the problem when the checkpoint is incomplete or corrupt.
-    ``weights_only=True`` (torch's safe unpickler) accepts tensors, containers and primitives, which
-    is all ``save_checkpoint`` callers should store; pass False only for trusted legacy files.
+    ``state.pt`` is read with :func:`safe_load` (tensors, containers and primitives: all that
+    ``save_checkpoint`` callers store).
     """
     path = Path(path)
     ok, reason = validate_checkpoint(path)
     if not ok:
         raise CheckpointError(f"cannot load checkpoint {path}: {reason}")
     manifest = read_manifest(path)
-    state = torch.load(path / STATE_FILE, map_location=map_location, weights_only=weights_only)
+    state = safe_load((path / STATE_FILE).read_bytes(), path / STATE_FILE, map_location)
     return state, manifest
 
 

@@ -241,9 +241,10 @@ class ShardedCheckpointer:
              common: Optional[dict] = None, meta: Optional[dict] = None) -> None:
         """Save this rank's ``entries`` (key -> :class:`ShardEntry`) as part of checkpoint ``step``.
 
-        Every rank calls it for the same step. ``objects``: a small picklable per-rank dict saved with
-        this rank's marker. ``common`` (picklable, saved as ``state.pt``) and ``meta`` (JSON-serialisable,
-        stored in the manifest) are used on rank 0 and ignored on the other ranks.
+        Every rank calls it for the same step. ``objects``: a small per-rank dict saved with this
+        rank's marker. ``common`` (saved as ``state.pt``) and ``meta`` (JSON-serialisable, stored in the
+        manifest) are used on rank 0 and ignored on the other ranks. ``objects`` and ``common`` may
+        hold only tensors, plain containers and primitives (checked by :func:`checkpoint.safe_dumps`).
 
         Before anything is written it waits for the previous save (re-raising its error), checks the
         entries (shapes inside the global shape, no NaN/inf in floating tensors: CheckpointError
@@ -266,9 +267,7 @@ class ShardedCheckpointer:
             self._check_finite(step, {k: e.tensor for k, e in entries.items()})
         objects_bytes = None
         if objects:
-            buf = io.BytesIO()
-            torch.save(dict(objects), buf)
-            objects_bytes = buf.getvalue()
+            objects_bytes = ckpt.safe_dumps(dict(objects), "objects")
         common_bytes, meta_d = None, {}
         if self.rank == 0:
             meta_d = dict(meta or {})
@@ -276,9 +275,7 @@ class ShardedCheckpointer:
                 json.dumps(meta_d)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"checkpoint meta must be JSON-serialisable ({e})") from e
-            buf = io.BytesIO()
-            torch.save(common if common is not None else {}, buf)
-            common_bytes = buf.getvalue()
+            common_bytes = ckpt.safe_dumps(common if common is not None else {}, "common")
         tensors = self._host_copies(entries, copy=self.async_save)
         snap = _Snapshot(step, self._seq, tensors, layout, objects_bytes, common_bytes, meta_d,
                          time.perf_counter() - t0, object_keys=map(str, objects or {}))
@@ -499,7 +496,7 @@ class CheckpointReader:
 
     Opening checks the manifest (format, every file present with its recorded size), verifies
     ``state.pt`` and ``index.json`` against their sha256 and every chunk's byte range against its
-    file's size. ``common`` is the unpickled ``state.pt`` (pickle: trusted checkpoints only),
+    file's size. ``common`` is the unpickled ``state.pt`` (loaded with ``weights_only=True``),
     ``meta`` the manifest's meta, ``step`` its step. ``bytes_read`` counts tensor payload bytes read
     by :meth:`read`, ``meta_bytes_read`` the bytes of manifest, index, state and objects files.
     """
@@ -521,8 +518,7 @@ class CheckpointReader:
         self.step: int = manifest["step"]
         self.meta: dict = manifest.get("meta") or {}
         index = json.loads(self._read_verified(INDEX_NAME))
-        self.common: dict = torch.load(io.BytesIO(self._read_verified(ckpt.STATE_FILE)), map_location="cpu",
-                                       weights_only=False)
+        self.common: dict = self._load_verified(ckpt.STATE_FILE)
         # [{"file", "keys"}] by rank; a plain file name (an index written before key lists): keys unknown
         self._object_files = [o if isinstance(o, dict) else {"file": o, "keys": None}
                               for o in index.get("objects", [])]
@@ -547,6 +543,10 @@ class CheckpointReader:
             raise CheckpointError(f"checkpoint {self.path}: {name} fails its sha256 check (corrupt)")
         return data
 
+    def _load_verified(self, name: str):
+        """``name`` verified against the manifest, then loaded with :func:`checkpoint.safe_load`."""
+        return ckpt.safe_load(self._read_verified(name), self.path / name)
+
     # ---------------------------------------------------------------------------------- lookup
     def keys(self) -> list:
         """Every saved key, sorted."""
@@ -566,7 +566,7 @@ class CheckpointReader:
 
     def objects(self, keys: Optional[Iterable[str]] = None) -> dict:
         """The union of the saved ``objects`` dicts, ranks in ascending order; a key already taken by
-        a lower rank is kept (unpickled: trusted checkpoints only). With ``keys``, only the files
+        a lower rank is kept (loaded with ``weights_only=True``). With ``keys``, only the files
         that hold one of them are read (the index lists each file's keys), and only those keys are
         returned: a rank resuming reads the objects it needs, not every rank's."""
         want = None if keys is None else set(keys)
@@ -579,8 +579,7 @@ class CheckpointReader:
             files = [files[i] for i in sorted(set(first.values()))]
         out: dict = {}
         for o in files:
-            for k, v in torch.load(io.BytesIO(self._read_verified(o["file"])), map_location="cpu",
-                                   weights_only=False).items():
+            for k, v in self._load_verified(o["file"]).items():
                 if want is None or k in want:
                     out.setdefault(k, v)
         return out

@@ -79,6 +79,18 @@ class TrainLogger:
                              file=sys.stderr, dynamic_ncols=tty, ncols=None if tty else 100,
                              mininterval=0.1 if tty else _NON_TTY_MININTERVAL_S, smoothing=0.05)
 
+    def start_progress(self) -> None:
+        """Restart the bar's clock (tqdm's ``unpause``): called when the training loop starts, so
+        start-up and the first evaluation are not counted in its rate and ETA."""
+        if self._bar is not None:
+            self._bar.unpause()
+
+    def step_done(self, step: int) -> None:
+        """Advance the bar to optimizer step ``step`` (every step, between log windows too; a plain
+        counter, no host sync)."""
+        if self._bar is not None and step > self._bar.n:
+            self._bar.update(step - self._bar.n)
+
     # ------------------------------------------------------------------------------------ wandb
     def _init_wandb(self, mode: str, config_dict: Optional[dict]) -> None:
         try:
@@ -146,7 +158,7 @@ class TrainLogger:
             if isinstance(metrics.get("tokens_per_s"), (int, float)):
                 postfix["tok/s"] = f"{metrics['tokens_per_s']:,.0f}"
             self._bar.set_postfix(postfix, refresh=False)
-            self._bar.update(max(step - self._bar.n, 0))
+        self.step_done(step)
         if step % self.cfg.log_interval == 0:
             self._write(self.format_line(step, metrics))
 

@@ -419,6 +419,7 @@ class Trainer:
         # the flag agrees over a host (gloo) group: no device sync at the per-step check
         host = self.ps.host_group
         preempt = PreemptionHandler(group=host, device=torch.device("cpu") if host is not None else self.device).install()
+        logger.start_progress()
         try:
             self._loop(logger, gpu, clock, preempt)
         except NonFiniteError:
@@ -462,6 +463,7 @@ class Trainer:
         window_tokens, window_steps = 0, 0
         while self.step < t.max_steps:
             rec = self.train_step()
+            logger.step_done(self.step)
             window_tokens += rec.pop("tokens")
             window_steps += 1
             boundary = self.step == t.max_steps

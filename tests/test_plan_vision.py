@@ -95,20 +95,21 @@ def _tiny_pc(**kw):
     return P.PlanConfig(**{**base, **kw})
 
 
-def test_plan_vision_terms_hand_computed():
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_plan_vision_terms_hand_computed(ckpt):
     cfg = load_model_config("k3_tiny")
     hw = load_hardware("h200")
-    text = P.make_plan(cfg, _tiny_pc(), hw)
+    text = P.make_plan(cfg, _tiny_pc(activation_checkpointing=ckpt), hw)
     assert "vision" not in text and "vision_activations" not in text["stages"][0]
-    assert P.make_plan(cfg, _tiny_pc(vision_fraction=0.0), hw) == text
+    assert P.make_plan(cfg, _tiny_pc(vision_fraction=0.0, activation_checkpointing=ckpt), hw) == text
     f, side = 0.25, 448                               # 32 x 32 patches, 256 LM tokens per image
-    p = P.make_plan(cfg, _tiny_pc(vision_fraction=f, image_side=side), hw)
+    p = P.make_plan(cfg, _tiny_pc(vision_fraction=f, image_side=side, activation_checkpointing=ckpt), hw)
     v = p["vision"]
     assert v["image_patches"] == [32, 32] and v["tokens_per_image"] == 256
     assert v["images_per_micro_batch"] == f * 2 * 1024 / 256 == 2.0
     assert v["images_per_rank"] == 1                  # round robin over tp = 2
     assert v["images_per_step"] == f * 16 * 1024 / 256
-    per_image = P.vision_activation_bytes(cfg, 32, 32, "fp32")["total"]
+    per_image = P.vision_activation_bytes(cfg, 32, 32, "fp32", recompute=ckpt)["total"]
     s0, s0_text = p["stages"][0], text["stages"][0]
     in_flight = s0["in_flight_micro_batches"]
     assert in_flight == 2                             # 1F1B, stage 0 of 2, 4 micro-batches
@@ -117,8 +118,12 @@ def test_plan_vision_terms_hand_computed():
     s1 = p["stages"][1]                               # only the first stage runs the tower
     assert s1["vision_activations"] == 0 and {k: x for k, x in s1.items() if not k.startswith("vision")} \
         == text["stages"][1]
-    # compute: 3 x forward (the tower is not checkpointed), over the stage's tp x dp = 4 ranks
-    train = 3 * P.vision_flops_per_patch(cfg, 1024) * f * 16 * 1024 * 4
+    # compute: 3 x forward (+ the blocks' forward again when they are recomputed), over the stage's
+    # tp x dp = 4 ranks
+    v_ = cfg.vision
+    blocks = v_.num_layers * (2 * (4 * v_.hidden_size * v_.num_heads * v_.head_dim + 2 * v_.hidden_size
+                                   * v_.intermediate_size) + 4 * v_.num_heads * v_.head_dim * 1024)
+    train = (3 * P.vision_flops_per_patch(cfg, 1024) + (blocks if ckpt else 0)) * f * 16 * 1024 * 4
     assert v["train_flops_per_step"] == pytest.approx(train, rel=1e-12)
     dt = train / 4 / (hw.peak_flops("fp32") * hw.mfu)
     assert v["compute_s"] == pytest.approx(dt, rel=1e-12)
@@ -174,6 +179,6 @@ def test_tool_prints_vision_row(capsys):
     tool.main(args + ["data.vision_fraction=0.25", "data.image_side=448"])
     out = capsys.readouterr().out
     line = next(l for l in out.splitlines() if l.strip().startswith("vision tower"))
-    assert "not checkpointed" in line and "image(s) of 32x32 patches" in line
+    assert "blocks recomputed" in line and "image(s) of 32x32 patches" in line
     assert math.isfinite(float(line.split()[2]))
     assert tool.main(args + ["data.vision_fraction=x"]) == 2

@@ -141,7 +141,8 @@ def format_plan(p) -> str:
         v = p["vision"]
         h, w = v["image_patches"]
         where = "inside activations" if m["stage"] == 0 else "stage 0, not the stage above"
-        lines.append(f"  vision tower     {_g(v['activations_stage0'])}   ({where}; not checkpointed: {v['images_per_rank']} "
+        kept = "blocks recomputed" if L["activation_checkpointing"] else "not checkpointed"
+        lines.append(f"  vision tower     {_g(v['activations_stage0'])}   ({where}; {kept}: {v['images_per_rank']} "
                      f"image(s) of {h}x{w} patches per rank per micro-batch x {p['stages'][0]['in_flight_micro_batches']:g} "
                      f"in flight, {v['activation_bytes_per_image'] / GiB:.2f} GiB each)")
     lines += [f"  KDA chunk states {_g(m['kda_states'])}   (inside activations)",

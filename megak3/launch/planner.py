@@ -90,13 +90,14 @@ A group inside one node uses the NVLink bandwidth, one spanning nodes the per-GP
 Images (PlanConfig.vision_fraction = data.vision_fraction, image_side; 0 = text only: the plan is
 exactly the text plan, no vision keys). vision_fraction of every row's tokens are <|media|> tokens
 of square images of image_side px (default the position grid: 64 x 64 patches, 1024 tokens at K3);
-vision_figures() has the load. The tower runs in stage 0's forward and is NOT activation-checkpointed
-(K3Model.run_layers checkpoints decoder layers only), so stage 0 keeps, for every micro-batch in
+vision_figures() has the load. The tower runs in stage 0's forward; under activation checkpointing
+its blocks are recomputed like the decoder layers (VisionTower.recompute, set with K3Model.recompute),
+so each keeps only its input. Stage 0 keeps, for every micro-batch in
 flight, ceil(images per micro-batch / tp) whole images' saved tensors (TP round robin,
 parallel/tensor_parallel/image_split.py) -- vision_activation_bytes(), linear in the patches (the
 tower's attention runs a fused SDPA kernel: no [H, N, N] scores are kept) -- and its largest block
 of one image as a backward transient. Step time: stage 0's compute
-+ 3 x the tower's forward FLOPs of the step (not recomputed) over the stage's ranks; its TP traffic
++ 3 x the tower's forward FLOPs of the step (+ the blocks' forward again when recomputed) over the stage's ranks; its TP traffic
 + the all-gather of the merged tokens ((tp-1)/tp x vision tokens x hidden x activation bytes per
 micro-batch, forward only). MFU counts the tower's FLOPs. Images under CP are refused (as the
 trainer does).
@@ -926,6 +927,15 @@ def vision_image(cfg: ModelConfig, pc: PlanConfig) -> tuple:
     return h, w
 
 
+def vision_block_flops_per_patch(cfg: ModelConfig, patches: int) -> float:
+    """The blocks' share of :func:`vision_flops_per_patch` (what recomputation reruns):
+    2 x (qkv, proj, fc1, fc2 weights) + 4 x qkv width x patches, per layer."""
+    v = cfg.vision
+    qkv = v.num_heads * v.head_dim
+    return v.num_layers * (2.0 * (4 * v.hidden_size * qkv + 2 * v.hidden_size * v.intermediate_size)
+                           + 4.0 * qkv * patches)
+
+
 def vision_flops_per_patch(cfg: ModelConfig, patches: int) -> float:
     """Forward FLOPs of the tower per patch of an image of ``patches`` patches: 2 x its GEMM weights
     (patch embedding, qkv, proj, fc1, fc2; the merger once per merge^2 patches; no FLOPs for the
@@ -940,7 +950,7 @@ def vision_flops_per_patch(cfg: ModelConfig, patches: int) -> float:
 
 
 def vision_activation_bytes(cfg: ModelConfig, h: int, w: int, precision: str = "bf16",
-                            param_dtype: str = "fp32") -> dict:
+                            param_dtype: str = "fp32", recompute: bool = False) -> dict:
     """Bytes the tower saves for backward for ONE image of h x w patches, as megak3/model/vision.py
     runs it (counted from its autograd graph; tests/test_plan_vision.py measures them). Per patch
     (N = h w, D width, Q = heads x head_dim, I MLP width, P projector width, m merge; r = residual
@@ -957,8 +967,11 @@ def vision_activation_bytes(cfg: ModelConfig, h: int, w: int, precision: str = "
                          softmax: 5.3 MB per patch of a 64 x 64-patch image at K3.)
       final norm       4D + rD + 4
       merger           (4D + rD + lD) per patch (its norm on the merged copy, fc1 input) + (4 + 2 P l) / m^2
-    The merged tokens, the TP gather and the splice save nothing of size. Returns per_patch,
-    per_block (one block, the whole image: the largest single module) and total."""
+    The merged tokens, the TP gather and the splice save nothing of size. ``recompute`` (the tower's
+    blocks rerun in backward: megak3/model/vision.py under ``K3Model.recompute`` != 'none'): each
+    block keeps only its input (r D per patch) instead of the terms above. Returns per_patch,
+    per_block (one block, the whole image: the largest single module, also what one block's
+    recomputation holds at once) and total."""
     v = cfg.vision
     N, D, Q, I = h * w, v.hidden_size, v.num_heads * v.head_dim, v.intermediate_size
     m2, P = v.merge ** 2, v.projector_hidden
@@ -966,16 +979,17 @@ def vision_activation_bytes(cfg: ModelConfig, h: int, w: int, precision: str = "
     res = 4 if param_dtype == "fp32" else 2
     norm = 4 * D + res * D + 4
     block = 2 * (norm + D * lin) + Q * lin + 2 * I * lin + 3 * Q * lin + v.num_heads * 4
-    per_patch = (v.in_channels * v.patch_size ** 2 * lin + v.num_layers * block + norm
+    per_patch = (v.in_channels * v.patch_size ** 2 * lin + v.num_layers * (res * D if recompute else block) + norm
                  + 4 * D + res * D + lin * D + (4 + 2 * P * lin) / m2)
     return {"per_patch": float(per_patch), "per_block": float(block * N), "total": float(per_patch * N)}
 
 
 def vision_figures(cfg: ModelConfig, pc: PlanConfig) -> dict:
     """The vision tower's load, memory, FLOPs and traffic in a plan with pc.vision_fraction > 0
-    ({} otherwise). The tower runs in the first pipeline stage's forward (K3Model.embed) and is not
-    activation-checkpointed (only the decoder layers are), so its saved tensors stay for every
-    micro-batch in flight on stage 0 and it is not recomputed (training = 3 x forward). Under TP a
+    ({} otherwise). The tower runs in the first pipeline stage's forward (K3Model.embed); with
+    activation checkpointing its blocks are recomputed like the decoder layers (each keeps its input;
+    training = 3 x forward + the blocks' forward again), without it they keep everything (3 x
+    forward). Its saved tensors stay for every micro-batch in flight on stage 0. Under TP a
     rank encodes images r, r + tp, ... of its micro-batch and the merged tokens are all-gathered
     (parallel/tensor_parallel/image_split.py); DP ranks get their rows' images.
 
@@ -995,17 +1009,18 @@ def vision_figures(cfg: ModelConfig, pc: PlanConfig) -> dict:
     vis_tokens_mb = pc.vision_fraction * pc.micro_batch_size * pc.seq_len
     images_mb = vis_tokens_mb / tokens_img
     images_rank = math.ceil(images_mb / pc.tp - 1e-9)
-    act = vision_activation_bytes(cfg, h, w, pc.precision, pc.param_dtype)
+    act = vision_activation_bytes(cfg, h, w, pc.precision, pc.param_dtype, pc.activation_checkpointing)
     a = 2 if pc.precision == "bf16" else 4
     tokens_step = pc.global_batch_size * pc.seq_len
     fwd = vision_flops_per_patch(cfg, patches)
+    train = 3.0 * fwd + (vision_block_flops_per_patch(cfg, patches) if pc.activation_checkpointing else 0.0)
     return {"fraction": pc.vision_fraction, "image_patches": [h, w], "image_side": h * v.patch_size,
             "patches_per_image": patches, "tokens_per_image": tokens_img,
             "vision_tokens_per_micro_batch": vis_tokens_mb, "images_per_micro_batch": images_mb,
             "images_per_rank": images_rank, "images_per_step": pc.vision_fraction * tokens_step / tokens_img,
             "vision_tokens_per_step": pc.vision_fraction * tokens_step,
             "flops_per_patch_forward": fwd,
-            "train_flops_per_step": 3.0 * fwd * pc.vision_fraction * tokens_step * v.merge ** 2,
+            "train_flops_per_step": train * pc.vision_fraction * tokens_step * v.merge ** 2,
             "activation_bytes_per_image": act["total"],
             "activation_bytes_per_patch": act["total"] / patches, "block_bytes_per_image": act["per_block"],
             "activations_per_micro_batch": images_rank * act["total"],
@@ -1038,7 +1053,7 @@ def stage_memory(cfg: ModelConfig, pc: PlanConfig, stage: int) -> dict:
         acts = full * in_flight
     head = head_activations(cfg, pc) if last else 0.0
     acts += head
-    # the vision tower (first stage, not checkpointed): its saved tensors for every micro-batch in flight
+    # the vision tower (first stage): its saved tensors for every micro-batch in flight
     vis = vision_figures(cfg, pc) if first else {}
     vision_acts = vis["activations_per_micro_batch"] * in_flight if vis else 0.0
     if vis:
@@ -1258,7 +1273,7 @@ def stage_time(cfg: ModelConfig, pc: PlanConfig, hw, stage: int, comm: dict, bub
     tokens_step = pc.global_batch_size * pc.seq_len
     compute = train * tokens_step / (pc.world_size // pc.pp) / (hw.peak_flops(pc.precision) * hw.mfu)
     vis = vision_figures(cfg, pc) if stage == 0 else {}
-    if vis:  # the tower (3 x forward, not recomputed), its images spread over the stage's tp x dp ranks
+    if vis:  # the tower (3 x forward + its blocks' recompute), its images spread over the stage's tp x dp ranks
         vision_s = vis["train_flops_per_step"] / (pc.world_size // pc.pp) / (hw.peak_flops(pc.precision) * hw.mfu)
         compute += vision_s
     # rank order tp fastest, then ep / dp, pp last (parallel/grid.py default 'tp-cp-ep-dp-pp'); the

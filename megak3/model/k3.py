@@ -14,9 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from ..ops.weight_grad import checkpoint_contexts
 from ..config import ModelConfig
 from .attn_res import AttnResMix
 from .ffn import SiTUGLUMLP
@@ -24,7 +22,7 @@ from .kda import KimiDeltaAttention
 from .mla import GatedMLA
 from .moe import LatentMoE, MoEStats
 from .norm import RMSNorm, set_norm_impl
-from .recompute import MODES as RECOMPUTE_MODES, segment, selective_scope
+from .recompute import MODES as RECOMPUTE_MODES, recompute_whole, segment, selective_scope
 from .seqinfo import SeqInfo, make_seq_info
 
 Blocks = Tuple[torch.Tensor, ...]
@@ -109,7 +107,6 @@ class K3Model(nn.Module):
             self.vision = VisionTower(cfg.vision, d, cfg.rms_norm_eps)
         set_norm_impl(self, cfg.norm_impl)   # model.norm_impl on every RMSNorm (megak3/model/norm.py)
         self.recompute = "none"
-        """activation recomputation while training: 'none', 'full' or 'selective' (megak3/model/recompute.py)"""
         self.has_mla = "mla" in cfg.layer_kinds()
         # Hooks a parallel layout sets from outside (parallel/parallelize.py); the model math stays
         # free of process groups. ``sequence_shard``: [B,T,D] -> this rank's token shard after the
@@ -118,6 +115,22 @@ class K3Model(nn.Module):
         self.loss_fn = token_loss_sum
         # ``context_parallel``: cuts whole rows into this rank's sequence segment (shard_inputs)
         self.context_parallel = None
+
+    @property
+    def recompute(self) -> str:
+        """activation recomputation while training: 'none', 'full' or 'selective'
+        (megak3/model/recompute.py), for the decoder layers and the vision tower's blocks alike"""
+        return self._recompute
+
+    @recompute.setter
+    def recompute(self, mode: str) -> None:
+        self._recompute = mode
+        if self.vision is not None:
+            from .vision import VisionTower
+
+            for m in self.vision.modules():   # the tower itself, or inside parallel/'s image-split wrapper
+                if isinstance(m, VisionTower):
+                    m.recompute = mode
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -166,8 +179,7 @@ class K3Model(nn.Module):
         with (selective_scope() if mode == "selective" else contextlib.nullcontext()):
             for layer in layers:
                 if mode == "full":
-                    partial, blocks, st = checkpoint(_call_layer, layer, partial, seq, *blocks,
-                                                     use_reentrant=False, context_fn=checkpoint_contexts)
+                    partial, blocks, st = recompute_whole(_call_layer, layer, partial, seq, *blocks)
                 else:
                     partial, blocks, st = layer(partial, blocks, seq)
                 if st is not None:

@@ -95,3 +95,12 @@ def segment(fn, *args):
     if selective_active() and torch.is_grad_enabled():
         return checkpoint(fn, *args, use_reentrant=False, context_fn=selective_contexts)
     return fn(*args)
+
+
+def recompute_whole(fn, *args):
+    """``fn(*args)`` keeping only its inputs: rerun whole in backward (torch.utils.checkpoint, with the
+    weight-gradient store's recomputation mode); a plain call without gradients. Used for decoder
+    layers under ``recompute='full'`` and for every vision-tower block under any recompute mode."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=checkpoint_contexts)

@@ -26,6 +26,7 @@ from torch import nn
 
 from megak3.config import VisionConfig
 from megak3.model.norm import RMSNorm
+from megak3.model.recompute import recompute_whole
 
 
 def num_image_tokens(H, W, patch_size: int, merge: int):
@@ -151,6 +152,11 @@ class VisionTower(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(vcfg, eps) for _ in range(vcfg.num_layers))
         self.final_norm = RMSNorm(D, eps)
         self.merger = PatchMerger(D, vcfg.merge, vcfg.projector_hidden, text_hidden_size, eps)
+        self.recompute = "none"
+        """``K3Model.recompute`` ('none' | 'full' | 'selective'; set through it): unless 'none', each
+        block keeps only its input while training and is rerun whole in backward ('selective' too:
+        the tower's blocks have no selective segments; one more forward of the blocks, which the
+        planner's vision figures count)."""
 
     def num_tokens(self, H: int, W: int) -> int:
         """LM tokens produced for one H x W image: (H/p/m) * (W/p/m)."""
@@ -174,8 +180,9 @@ class VisionTower(nn.Module):
         h, w = image_CHW.shape[1] // p, image_CHW.shape[2] // p
         x_ND = self.patch_embed(patchify(image_CHW.to(self.patch_embed.weight.dtype), p))
         x_ND = x_ND + interp_pos_embed(self.pos_embed, h, w).reshape(h * w, -1)
+        rerun = self.recompute != "none" and self.training
         for blk in self.blocks:
-            x_ND = blk(x_ND)
+            x_ND = recompute_whole(blk, x_ND) if rerun else blk(x_ND)
         return self.final_norm(x_ND).view(h, w, -1)
 
     def forward(self, images: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -15,7 +15,8 @@ activation_checkpointing}, param_dtype (fp32 as the trainer runs, or bf16), mode
 (auto | exact | histogram), moonep.{enabled,max_replicas_per_rank}, data.vision_fraction (share of the
 tokens that are image tokens, default 0: text only) and data.image_side (pixels of the square images
 assumed; default the position grid, 896 at K3): the vision tower's activations on the first stage,
-its FLOPs in the step time and its token all-gather under TP. Without parallel.tp/pp/ep/dp/cp
+its FLOPs in the step time and its token all-gather under TP, optim.offload (none | cpu: the AdamW
+state leaves the device; host memory, PCIe and host-update time are printed). Without parallel.tp/pp/ep/dp/cp
 the plan is the best layout --search finds (cp included: powers of two leaving >= 4096 tokens per
 CP rank, e.g. --min-gpus data.seq_len=1048576 finds the million-token layouts).
 Without train.global_batch_size every plan, search and minimum assumes ~4 Mi tokens per step
@@ -41,7 +42,8 @@ KEYS = {"parallel.tp": ("tp", int), "parallel.pp": ("pp", int), "parallel.ep": (
         "parallel.vp": ("vp", int), "parallel.pp_split_blocks": ("pp_split_blocks", "bool"),
         "parallel.pp_layout": ("pp_layout", "list"), "model.moe.qb_method": ("qb_method", str),
         "moonep.enabled": ("moonep", "bool"), "moonep.max_replicas_per_rank": ("max_replicas_per_rank", int),
-        "data.vision_fraction": ("vision_fraction", float), "data.image_side": ("image_side", int)}
+        "data.vision_fraction": ("vision_fraction", float), "data.image_side": ("image_side", int),
+        "optim.offload": ("offload", str)}
 LAYOUT_KEYS = ("tp", "pp", "ep", "dp", "cp")
 
 
@@ -129,7 +131,8 @@ def format_plan(p) -> str:
              f"  params           {_g(m['params'])}   ({m['local_params'] / 1e9:.2f} B local)",
              f"  grads            {_g(m['grads'])}",
              f"  main fp32 copies {_g(m['main_params'])}",
-             f"  optimizer state  {_g(m['optimizer_state'])}   (ZeRO-1: Muon momentum / AdamW moments, owned share)",
+             f"  optimizer state  {_g(m['optimizer_state'])}   (ZeRO-1: Muon momentum / AdamW moments, owned share"
+             + ("; AdamW's in host memory" if "host_bytes" in m else "") + ")",
              f"  activations      {_g(m['activations'])}   (without checkpointing: {_g(m['activations_no_checkpointing']).strip()})"]
     lines += [f"    no-ckpt, per micro-batch {k:<14} {_g(v)}" for k, v in m["activations_by_kind_per_micro_batch"].items()]
     cps = m.get("cp_saved_per_micro_batch", {})
@@ -155,7 +158,13 @@ def format_plan(p) -> str:
               f"  comm buckets     {_g(m['comm_buffers'])}",
               f"  bwd transient    {_g(m['backward_transient'])}",
               f"  total            {_g(m['total'])}   of {p['usable_memory'] / GiB:.1f} GiB usable -> "
-              f"{'FITS' if p['fits'] else 'DOES NOT FIT'}",
+              f"{'FITS' if p['fits'] else 'DOES NOT FIT'}"]
+    if "host_bytes" in m:
+        lines.append(f"  host memory      {_g(m['host_bytes'])}   (optim.offload=cpu: AdamW moments "
+                     f"{m['optimizer_state_host'] / GiB:.2f} GiB + fp32 weight/grad copies; per step "
+                     f"{m['pcie_bytes_per_step'] / GiB:.2f} GiB over PCIe, {m['host_update_bytes_per_step'] / GiB:.2f} "
+                     f"GiB through host memory)")
+    lines += [
               f"FLOPs per token (forward): {f['forward'] / 1e9:.1f} G = matmul {f['matmul_forward'] / 1e9:.1f} G "
               f"(2 x {f['active_params'] / 1e9:.2f} B active) + MLA scores {f['mla_scores'] / 1e9:.2f} G + KDA "
               f"{f['kda_recurrence'] / 1e9:.2f} G; training {f['train'] / 1e9:.1f} G/token"
@@ -168,7 +177,8 @@ def format_plan(p) -> str:
               f"step time {t['step_s']:.2f} s = (compute {t['compute_s']:.2f} + tp {t['tp_s']:.2f} + ep {t['ep_s']:.2f} "
               + (f"+ cp {t['cp_s']:.2f} " if L.get("cp", 1) > 1 else "")
               + f"+ pp {t['pp_s']:.2f}) x bubble {t['bubble']:.2f} + tp grad sync {t['tp_grad_sync_s']:.2f} "
-              f"+ dp exposed {t['dp_exposed_s']:.2f} + QB {t['qb_s']:.2f}; "
+              f"+ dp exposed {t['dp_exposed_s']:.2f} + QB {t['qb_s']:.2f}"
+              + (f" + offload {t['offload_s']:.2f}" if "offload_s" in t else "") + "; "
               f"{t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f}%",
               f"train with: {p['trainer_overrides']}"]
     if "vision" in p:

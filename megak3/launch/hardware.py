@@ -25,6 +25,10 @@ class Hardware:
     """intra-node bandwidth per GPU per direction, bytes/s"""
     net_bw: float
     """inter-node network bandwidth per GPU per direction, bytes/s"""
+    pcie_bw: float = 50.0e9
+    """host<->device copy bandwidth per GPU per direction, bytes/s (optim.offload=cpu's copies)"""
+    host_mem_bw: float = 60.0e9
+    """host memory bandwidth one GPU's share of the host CPUs gets, bytes/s (the host AdamW update)"""
     gpus_per_node: int = 8
     mfu: float = 0.4
     usable_memory_fraction: float = 0.9

@@ -102,6 +102,12 @@ of one image as a backward transient. Step time: stage 0's compute
 micro-batch, forward only). MFU counts the tower's FLOPs. Images under CP are refused (as the
 trainer does).
 
+Optimizer offload (PlanConfig.offload = optim.offload; 'none' plans exactly as before): with 'cpu'
+the AdamW moments of the owned AdamW elements leave the device (8 B each); host memory holds them and
+the fp32 weight/gradient copies the update runs on (16 B each); every step copies 12 B each over
+PCIe (hardware pcie_bw) and streams 28 B each through host memory (host_mem_bw), in sequence after
+the backward (megak3/optim/offload.py does not overlap them). Muon stays on the device. offload_figures().
+
 Context parallelism (parallel.cp, parallel/context_parallel.py; cp = 1 plans exactly as before):
   layout     world = tp x cp x dp x pp; every CP rank of a group holds the same rows' contiguous
              segment of seq_len / cp tokens (seq_len divisible by cp, by cp x tp under SP, and
@@ -273,6 +279,8 @@ class PlanConfig:
     image_side: int = 0
     """data.image_side: side in pixels of the (square) images assumed; 0 = the position grid's
     pos_grid x patch_size (896 px, 64 x 64 patches, 1024 LM tokens at K3)"""
+    offload: str = "none"
+    """optim.offload: 'none' or 'cpu' (the AdamW state and update in host memory, megak3/optim/offload.py)"""
 
     def resolved(self) -> "PlanConfig":
         for f in ("tp", "pp", "ep", "cp", "vp", "world_size", "micro_batch_size", "seq_len"):
@@ -292,6 +300,8 @@ class PlanConfig:
             raise ValueError(f"precision={self.precision!r} must be 'bf16' or 'fp32'")
         if self.param_dtype not in ("bf16", "fp32"):
             raise ValueError(f"param_dtype={self.param_dtype!r} must be 'bf16' or 'fp32'")
+        if self.offload not in ("none", "cpu"):
+            raise ValueError(f"optim.offload={self.offload!r} must be 'none' or 'cpu'")
         model = self.tp * self.cp * self.pp
         axes = "tp*cp*pp" if self.cp > 1 else "tp*pp"
         if self.world_size % model:
@@ -565,7 +575,7 @@ def _param_memory(cfg: ModelConfig, pc: PlanConfig, layers, first: bool, last: b
     per_rank_figures for a given rank's exact whole-parameter ownership."""
     pbytes = 4 if pc.param_dtype == "fp32" else 2
     local = dense = expert = 0.0
-    state = 0.0
+    state = adamw = 0.0
     for place in _places(cfg, layers, first, last):
         for (tp_sh, is_exp, opt), n in place["numel"].items():
             if is_exp and pc.ep > 1:
@@ -581,9 +591,36 @@ def _param_memory(cfg: ModelConfig, pc: PlanConfig, layers, first: bool, last: b
                 dense += n_loc
             local += n_loc
             state += n_loc / owners * (4 if opt == "muon" else 8)
+            adamw += n_loc / owners if opt != "muon" else 0.0
     main = 0.0 if pc.param_dtype == "fp32" else 4 * (dense / pc.dp_cp + expert / pc.expert_dp)
-    return {"params": local * pbytes, "grads": local * pbytes, "main_params": main, "optimizer_state": state,
-            "local_params": local, "local_dense": dense, "local_expert": expert}
+    out = {"params": local * pbytes, "grads": local * pbytes, "main_params": main, "optimizer_state": state,
+           "local_params": local, "local_dense": dense, "local_expert": expert}
+    if pc.offload == "cpu":
+        out.update(offload_figures(adamw))
+        out["optimizer_state"] = state - out["optimizer_state_host"]
+    return out
+
+
+OFFLOAD_HOST_BYTES_PER_ELEM = 16
+"""optim.offload=cpu, per owned AdamW element in host memory: exp_avg + exp_avg_sq (8 B) and the fp32
+host copies of the weight and its gradient the update runs on (8 B; megak3/optim/offload.py)"""
+OFFLOAD_PCIE_BYTES_PER_ELEM = 12
+"""per owned AdamW element and step over PCIe: weight and gradient to the host, weight back (3 x 4 B)"""
+OFFLOAD_HOST_UPDATE_BYTES_PER_ELEM = 28
+"""per owned AdamW element and step through host memory in the fused CPU AdamW: reads weight,
+gradient, exp_avg, exp_avg_sq (16 B), writes weight, exp_avg, exp_avg_sq (12 B)"""
+
+
+def offload_figures(adamw_numel: float) -> dict:
+    """optim.offload=cpu for ``adamw_numel`` owned AdamW elements (one rank): the AdamW state leaves
+    the device (``optimizer_state_host``: its 8 B per element), host memory holds it and the two host
+    copies (``host_bytes``: 16 B), and every step copies 12 B per element over PCIe and streams 28 B
+    through host memory (``pcie_bytes_per_step``, ``host_update_bytes_per_step``). Muon stays on the
+    device. tests/test_plan_offload.py measures the host bytes and the copies of HostAdamW."""
+    return {"adamw_owned_numel": adamw_numel, "optimizer_state_host": 8.0 * adamw_numel,
+            "host_bytes": OFFLOAD_HOST_BYTES_PER_ELEM * adamw_numel,
+            "pcie_bytes_per_step": OFFLOAD_PCIE_BYTES_PER_ELEM * adamw_numel,
+            "host_update_bytes_per_step": OFFLOAD_HOST_UPDATE_BYTES_PER_ELEM * adamw_numel}
 
 
 def _owners(numels: List[int], world: int) -> List[int]:
@@ -646,6 +683,8 @@ def per_rank_figures(cfg: ModelConfig, pc: PlanConfig, stage="first", rank_in_st
       checkpoint_optimizer_bytes  its owned optimizer state tensors (= optimizer_state_bytes; AdamW's
                               scalar 'step' travels as metadata)
       checkpoint_bytes        the sum: tensor bytes this rank writes per checkpoint (after the first step)
+    With ``optim.offload=cpu`` also: optimizer_state_device_bytes (Muon's 4 B/elem) and
+    :func:`offload_figures` of the owned AdamW elements (host bytes, PCIe and host-memory bytes per step).
     """
     pc = pc.resolved()
     check_model(cfg, pc)
@@ -692,7 +731,9 @@ def per_rank_figures(cfg: ModelConfig, pc: PlanConfig, stage="first", rank_in_st
             "owned_adamw_params": owned["adamw"], "optimizer_state_bytes": state,
             "main_param_bytes": 0 if pc.param_dtype == "fp32" else 4 * (owned["muon"] + owned["adamw"]),
             "checkpoint_model_bytes": ckpt_model, "checkpoint_optimizer_bytes": state,
-            "checkpoint_bytes": ckpt_model + state}
+            "checkpoint_bytes": ckpt_model + state,
+            **({"optimizer_state_device_bytes": 4 * owned["muon"],
+                **offload_figures(owned["adamw"])} if pc.offload == "cpu" else {})}
 
 
 # ---- Quantile Balancing statistics -------------------------------------------------------------
@@ -1090,6 +1131,9 @@ def stage_memory(cfg: ModelConfig, pc: PlanConfig, stage: int) -> dict:
             "backward_transient": transient, "autocast_weight_copies": autocast_copies, "total": total,
             "local_params": mem["local_params"], "local_dense": mem["local_dense"],
             "local_expert": mem["local_expert"]}
+    if pc.offload == "cpu":  # (plans without offload keep exactly their keys)
+        out.update({k: mem[k] for k in ("adamw_owned_numel", "optimizer_state_host", "host_bytes",
+                                        "pcie_bytes_per_step", "host_update_bytes_per_step")})
     if pc.vision_fraction > 0:  # (text-only plans keep exactly their keys)
         out["activations_no_checkpointing"] += vision_acts
         out.update(vision_activations=vision_acts, vision_images_per_rank=vis.get("images_per_rank", 0))
@@ -1288,9 +1332,15 @@ def stage_time(cfg: ModelConfig, pc: PlanConfig, hw, stage: int, comm: dict, bub
     t_qb = comm["qb_tp"] / _link(pc.tp, hw) + comm["qb_dp"] / _link(pc.tp * pc.dp_cp, hw)
     t_pp = comm["pp"] / _link(pc.world_size, hw) if pc.pp > 1 else 0.0
     step = (compute + t_tp + t_ep + t_cp + t_pp) * bubble + t_sync + t_dp + t_qb
+    if pc.offload == "cpu":  # HostAdamW.step: copies out, host update, copy back, in sequence after backward
+        off = _param_memory(cfg, pc, layers, stage == 0, stage == pc.pp - 1)
+        t_off = off["pcie_bytes_per_step"] / hw.pcie_bw + off["host_update_bytes_per_step"] / hw.host_mem_bw
+        step += t_off
     out = {"stage": stage, "compute_s": compute, "tp_s": t_tp, "ep_s": t_ep, "cp_s": t_cp, "pp_s": t_pp,
            "bubble": bubble,
            "tp_grad_sync_s": t_sync, "dp_exposed_s": t_dp, "qb_s": t_qb, "step_s": step}
+    if pc.offload == "cpu":
+        out["offload_s"] = t_off
     if pc.vision_fraction > 0:
         out["vision_compute_s"] = vision_s if vis else 0.0
     return out
@@ -1313,6 +1363,8 @@ def trainer_overrides(pc: PlanConfig, split: bool = False) -> str:
             f"data.seq_len={pc.seq_len}"]
     if not pc.activation_checkpointing:
         out.append("train.activation_checkpointing=false")
+    if pc.offload == "cpu":
+        out.append("optim.offload=cpu")
     return " ".join(out)
 
 
@@ -1345,7 +1397,8 @@ def make_plan(cfg: ModelConfig, pc: PlanConfig, hw) -> dict:
                    "micro_batches": m, "activation_checkpointing": pc.activation_checkpointing,
                    "pp_schedule": pc.pp_schedule, "vp": pc.vp, "pp_split_blocks": split,
                    "stage_layers": [s["layers"] for s in stages],
-                   "precision": pc.precision, "param_dtype": pc.param_dtype, "qb_method": qb_method(cfg, pc)},
+                   "precision": pc.precision, "param_dtype": pc.param_dtype, "qb_method": qb_method(cfg, pc),
+                   **({"offload": pc.offload} if pc.offload != "none" else {})},
         "hardware": hw.name,
         "memory": worst, "stages": stages,
         "flops_per_token": fl,

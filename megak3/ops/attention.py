@@ -31,11 +31,15 @@ the probabilities chunk pair by chunk pair, so forward and backward both use O(T
 ``F.scaled_dot_product_attention(is_causal=True)`` on any device (its CPU and CUDA flash kernels keep
 memory linear in T); on CUDA with document ids or a query offset (context parallelism) it calls
 ``flex_document_attention``: a compiled FlexAttention with a causal document block mask, offset by
-``q_offset``, when ``torch.nn.attention.flex_attention`` imports (if it raises, a warning is issued
-once and the chunked path is used from then on); elsewhere it calls ``chunked_attention``. The block
-mask (``flex_block_mask``) is tested on CPU against the chunked and dense twins with torch's eager
-FlexAttention (forward: torch 2.13 has no FlexAttention backward on CPU); the compiled CUDA kernel
-and its backward run in tools/gpu_check.py.
+``q_offset``, when ``torch.nn.attention.flex_attention`` imports; elsewhere it calls
+``chunked_attention``. Before the first FlexAttention call of each call signature (shapes, dtype,
+device, documents, offset) its forward and backward run once on detached copies; if either raises,
+a warning is issued once and ``chunked_attention`` serves forward and backward from then on. The
+block mask (``flex_block_mask``) is built from block bounds (no [Tq, Tk] tensor) and tested on CPU
+against torch's dense ``create_block_mask`` and, with torch's eager FlexAttention, the chunked and
+dense twins (forward: torch 2.13 has no FlexAttention backward on CPU); its memory at T = 65,536 is
+measured on the meta device (tests/test_flex_memory.py); the compiled CUDA kernel and its backward
+run in tools/gpu_check.py.
 """
 from __future__ import annotations
 
@@ -314,7 +318,8 @@ def flex_block_mask(doc_BT: Optional[torch.Tensor], B: int, Tq: int, Tk: int, q_
     Tk] tensor: 32 GiB per row at T = 65,536). What it allocates is O(T) for the document bounds
     plus a block-level term of a few ``[B, 1, Tq/128, Tk/128]`` int32/int64 tensors (the tiles,
     their ordered indices and the transposed q-side indices FlexAttention's backward reads):
-    about 13 MiB per row at T = 65,536 (tests/test_flex_memory.py prints it), quadratic in T/128."""
+    a peak of 7.5 MiB per row at T = 65,536, growing 4x per doubling of T (tests/test_flex_memory.py
+    prints it)."""
     BlockMask = _flex_functions()[2]
     key = (id(doc_BT), None if doc_BT is None else doc_BT._version, B, Tq, Tk, q_offset, str(device))
     if _block_mask_cache and _block_mask_cache[0][0] == key:

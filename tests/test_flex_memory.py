@@ -246,3 +246,21 @@ def test_flex_path_taken_when_forward_and_backward_work(monkeypatch):
     assert (o - co).abs().max() < 1e-5
     for a, b in zip(g, cg):
         assert (a - b).abs().max() < 1e-5
+
+
+def test_flex_probe_inside_activation_checkpoint(monkeypatch):
+    """The first call inside a non-reentrant activation checkpoint (megak3/model/recompute.py): the
+    probe's saved tensors bypass the checkpoint's hooks, so FlexAttention is kept, forward and
+    recomputation take the same path, and the gradients are the reference's."""
+    from torch.utils.checkpoint import checkpoint
+
+    stub, calls = _flex_stub(monkeypatch, backward_fails=False)
+    q, k, v, doc, off = _case()
+    stub.doc, stub.q_offset = doc, off
+    o, g = _grads(lambda q, k, v: checkpoint(lambda *x: A.attention(*x, 0.25, doc, q_offset=off), q, k, v,
+                                             use_reentrant=False), q, k, v)
+    assert not A._flex_failed and calls["fwd"] == 3      # probe, forward, recomputation
+    ro, rg = _grads(lambda q, k, v: reference_attention(q, k, v, 0.25, doc, off), q, k, v)
+    assert (o - ro).abs().max() < 1e-5
+    for a, b in zip(g, rg):
+        assert (a - b).abs().max() < 1e-5

@@ -366,13 +366,15 @@ def _flex_probe(q, k, v, scale: float, doc, q_offset: int) -> bool:
     real inputs (so the compiled kernels the real call uses are the ones tried). On any exception:
     warn once, set ``_flex_failed`` and return False, so this call and every later one take
     ``chunked_attention`` for forward and backward alike; the real calls are never wrapped in a
-    try (a failure that the probe did not see raises)."""
+    try (a failure that the probe did not see raises). The probe's saved tensors go through
+    identity hooks, so inside an activation checkpoint the recomputation sees the same saved
+    tensors as the forward."""
     global _flex_failed
     sig = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, str(q.device), doc is None, q_offset)
     if sig in _flex_probed:
         return True
-    try:
-        with torch.enable_grad():
+    try:   # identity saved-tensor hooks: an enclosing activation checkpoint neither sees nor stores the probe
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             ins = [x.detach().requires_grad_() for x in (q, k, v)]
             o = flex_document_attention(*ins, scale, doc, q_offset)
             torch.autograd.grad(o, ins, torch.ones_like(o))

@@ -13,10 +13,15 @@ Parts (each compares a fast path with its twin measured in the same run, or meas
                    them or with a CP query offset on CUDA) vs ``reference_attention`` (dense fp32)
                    and ``chunked_attention``,
                    outputs and input gradients; peak memory of forward+backward at T and T/4 (64K and
-                   16K; --quick 16K and 4K): ratio ~4 means memory linear in T, ~16 quadratic
+                   16K; --quick 16K and 4K), each measured cold (the first call at that shape, no
+                   warm-up; caches emptied, peak reset): ratio ~4 means memory linear in T, ~16
+                   quadratic; the block mask equal to torch's create_block_mask, and its own cold
+                   peak at T within 64 B/token + 40 B/tile (no [T, T] tensor)
   c grouped_gemm   megak3/model/moe.py ``grouped_linear``: tiled fp32 and grouped_mm bf16 (direct and
                    under bf16 autocast over fp32 operands, the training path) vs the loop twin;
-                   forward and gradients; fwd+bwd time ratios vs the loop
+                   forward and gradients; fwd+bwd time ratios vs the loop; every grouped_mm call of
+                   the training path (forward, backward, deferred dW) within megak3/ops/cuda_rules.py's
+                   rules, and the kernel taking 1023 groups and refusing 1024
   d throughput     k3_mini trained through RankStep (megak3/train/step.py) on one device, bf16 autocast:
                    tokens/s and MFU (FLOPs per token: megak3.launch.planner.flops_per_token; peak:
                    conf/hardware via megak3/train/summary.peak_flops_per_rank); the loss of a repeated
@@ -25,7 +30,8 @@ Parts (each compares a fast path with its twin measured in the same run, or meas
                    synchronizing CUDA calls counted (accumulate / apply) with their source lines
                    (on CPU tests/test_host_syncs.py counts them with a dispatch-mode spy)
   f te_fp8         Transformer Engine FP8 dense linears (quant.fp8=te) vs bf16: 20 steps of k3_mini
-                   from the same init on the same batches, the relative loss gap
+                   from the same init on the same batches, the relative loss gap; the recipe
+                   megak3/quant/te.py chose for this GPU / CUDA / TE and TE's own check of it
   g apex_rms_norm  NVIDIA apex's fused affine RMSNorm as megak3/model/norm.py ``RMSNorm`` runs it vs the
                    torch twin ``rms_norm``: output, dx and dw in fp32 and bf16 at the k3_mini width and a
                    KDA head width, and an fp32 residual under bf16 autocast (the result stays fp32);
@@ -66,6 +72,7 @@ TOL_BF16 = 2e-2          # bf16 inputs / bf16 GEMM output vs an fp32 computation
 TOL_BF16_ULP = 4e-3      # bf16 results of the same rounding steps: at most one bf16 ulp (2^-8) on every element
 TOL_FP8_LOSS = 0.05      # FP8 vs bf16 training loss, relative, any of the steps
 LINEAR_MEMORY_MAX_RATIO = 8.0  # peak(T) / peak(T/4): 4 is linear, 16 quadratic
+LOSS_DROP_MIN = 0.03     # throughput: the repeated batch's loss falls by at least 3% (CPU dry pass: ~10%)
 
 
 class Skip(Exception):
@@ -187,22 +194,62 @@ def _grads(fn, inputs, do):
     return o.detach(), [x.grad.detach().clone() for x in inputs]
 
 
+def _cold(dev) -> int:
+    """Free what can be freed, empty the allocator's cache, reset the peak; the bytes still allocated."""
+    gc.collect()
+    sync(dev)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    return torch.cuda.memory_allocated(dev)
+
+
 def _peak_bytes(dev, B, H, T, K, V, docs: bool) -> int:
-    """Extra peak bytes of attention() forward + backward over its inputs (bf16)."""
-    from megak3.ops.attention import attention
+    """Extra peak bytes of attention() forward + backward over its inputs (bf16), measured cold: the
+    first call at this shape (FlexAttention's forward+backward probe, compilation and the block
+    mask included; the block-mask cache emptied), no warm-up call before it."""
+    from megak3.ops import attention as A
 
     q, k, v = _attn_inputs(B, H, T, K, V, dev, torch.bfloat16, seed=1)
     doc = _docs_BT(B, T, dev) if docs else None
     do = torch.randn(B, H, T, V, device=dev, dtype=torch.bfloat16)
-    attention(q, k, v, K ** -0.5, doc).backward(do)   # warm-up: compiles, caches, allocator pools
-    q.grad = k.grad = v.grad = None
+    A._block_mask_cache.clear()
+    base = _cold(dev)
+    A.attention(q, k, v, K ** -0.5, doc).backward(do)
     sync(dev)
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    attention(q, k, v, K ** -0.5, doc).backward(do)
+    peak = torch.cuda.max_memory_allocated(dev) - base
+    A._block_mask_cache.clear()
+    return peak
+
+
+def _block_mask_checks(dev, T, chk) -> dict:
+    """megak3's block mask on the GPU: equal to torch's create_block_mask at a small T (documents,
+    a CP offset), and its cold peak at ``T`` within O(T) + a block-level term (no [T, T] tensor)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from megak3.ops import attention as A
+
+    Tk, off = 1000, 360
+    doc = _docs_BT(2, Tk, dev)
+    doc[1, 500:] += 1
+    doc_q = doc[:, off:]
+    A._block_mask_cache.clear()
+    got = A.flex_block_mask(doc, 2, Tk - off, Tk, off, dev)
+    ref = create_block_mask(lambda b, h, q, k: (k <= q + off) & (doc_q[b, q] == doc[b, k]), 2, None, Tk - off, Tk,
+                            device=dev)
+    fields = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+    chk.require("block_mask/equals_create_block_mask", all(torch.equal(getattr(got, f), getattr(ref, f))
+                                                           for f in fields), "tiles differ from create_block_mask's")
+    del got, ref
+    doc = _docs_BT(1, T, dev)
+    A._block_mask_cache.clear()
+    base = _cold(dev)
+    A.flex_block_mask(doc, 1, T, T, 0, dev)
     sync(dev)
-    return torch.cuda.max_memory_allocated(dev) - base
+    peak = torch.cuda.max_memory_allocated(dev) - base
+    A._block_mask_cache.clear()
+    bound = 64 * T + 40 * (T // A.FLEX_BLOCK) ** 2 + (1 << 20)   # + 1 MiB of allocator rounding
+    chk.require("block_mask/no_dense_term", peak <= bound, f"block mask peak {peak} B at T={T} > {bound} B")
+    return {"T": T, "peak_bytes": peak, "bound_bytes": bound, "dense_int64_mask_bytes": 8 * T * T}
 
 
 def part_mla_attention(dev, quick, ctx):
@@ -274,6 +321,7 @@ def part_mla_attention(dev, quick, ctx):
                         f"peak(T={t_hi}) / peak(T/4) = {ratio:.2f} (4 = linear, 16 = quadratic; "
                         f"limit {LINEAR_MEMORY_MAX_RATIO})")
         out["memory"] = mem
+        out["block_mask"] = _block_mask_checks(dev, t_hi, chk)
         ins = _attn_inputs(B, H, T, K, V, dev, torch.bfloat16)
         fwd_bwd = lambda fn: (lambda: fn(*ins).backward(do.bfloat16()))  # noqa: E731
         t_new = timed(fwd_bwd(lambda q, k, v: A.attention(q, k, v, scale, doc)), dev, 3)
@@ -329,6 +377,7 @@ def part_grouped_gemm(dev, quick, ctx):
         out["autocast_impl"] = pick_impl(xb, wb, None)
     for n, a, b in zip(names, run(xb.float(), wb.float(), None, autocast=True, dyv=dy.bfloat16()), ref_b):
         chk.close(f"autocast_{out['autocast_impl']}/{n}", a.float(), b, TOL_BF16)
+    _grouped_rules_checks(dev, x, w, dy, counts, ref_b, out, chk)
     reps = 3 if dev.type == "cpu" else 5
     t = {"loop_fp32": timed(lambda: run(x, w, "loop"), dev, reps),
          "tiled_fp32": timed(lambda: run(x, w, "tiled"), dev, reps),
@@ -340,6 +389,51 @@ def part_grouped_gemm(dev, quick, ctx):
     out["speedup_vs_loop"] = {k: (t["loop_fp32"] if "fp32" in k and "autocast" not in k else t["loop_bf16"]) / v
                               for k, v in t.items() if not k.startswith("loop")}
     return out, chk
+
+
+def _grouped_rules_checks(dev, x, w, dy, counts, ref_b, out, chk) -> None:
+    """Every grouped_mm call of the training path (bf16 autocast over fp32 masters: forward,
+    backward, and the zero-bubble deferred dW) within megak3/ops/cuda_rules.py's rules; on a GPU
+    where autocast picks grouped_mm, the kernel itself takes 1023 groups and refuses 1024."""
+    from megak3.model.moe import grouped_linear
+    from megak3.ops.cuda_rules import GROUPED_MM_MAX_GROUPS, record_grouped_mm
+    from megak3.ops.weight_grad import WeightGradStore
+
+    store = WeightGradStore()
+    store.key = 0
+    xv, wv = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    with record_grouped_mm() as rec:
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            y = grouped_linear(xv, wv, counts)
+        y.backward(dy.bfloat16())
+        plain = len(rec.calls)
+        xd, wd = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        with store.capture():
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                yd = grouped_linear(xd, wd, counts)
+            yd.backward(dy.bfloat16())
+        store.flush(0)
+    broken = sorted({f"{r}" for c in rec.calls for r in c.broken})
+    out["grouped_mm_calls"] = {"autocast": plain, "deferred": len(rec.calls) - plain, "rules_broken": broken}
+    if out["autocast_impl"] == "grouped_mm":
+        chk.require("cuda_rules/calls", len(rec.calls) == 6 and not broken,
+                    f"{len(rec.calls)} grouped_mm calls (6 expected), rules broken: {broken}")
+    chk.close("deferred_dw_autocast/dw", wd.grad.float(), ref_b[2], TOL_BF16)
+    if dev.type != "cuda" or out["autocast_impl"] != "grouped_mm":
+        return
+    took = {}
+    xs = torch.randn(16, 64, device=dev, dtype=torch.bfloat16)
+    for G in (GROUPED_MM_MAX_GROUPS, GROUPED_MM_MAX_GROUPS + 1):
+        wg = torch.randn(G, 64, 64, device=dev, dtype=torch.bfloat16)
+        try:
+            F.grouped_mm(xs, wg.transpose(-2, -1), offs=torch.full((G,), 16, device=dev, dtype=torch.int32))
+            sync(dev)
+            took[G] = True
+        except RuntimeError:
+            took[G] = False
+    out["kernel_takes_groups"] = {str(g): v for g, v in took.items()}
+    chk.require("group_limit", took == {GROUPED_MM_MAX_GROUPS: True, GROUPED_MM_MAX_GROUPS + 1: False},
+                f"grouped_mm took {took}; megak3/ops/cuda_rules.py expects 1023 yes, 1024 no")
 
 
 # ---- d / e / f: training through RankStep --------------------------------------------------------
@@ -429,8 +523,9 @@ def part_throughput(dev, quick, ctx):
         out["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(dev)
     chk = Check()
     chk.require("losses_finite", all(math.isfinite(x) for x in losses), f"losses {losses}")
-    chk.require("loss_falls_on_repeated_batch", losses[-1] < losses[0],
-                f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps on one batch")
+    chk.require("loss_falls_on_repeated_batch", losses[-1] < (1 - LOSS_DROP_MIN) * losses[0],
+                f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps on one batch "
+                f"(at least {LOSS_DROP_MIN:.0%} lower expected)")
     ctx["train"] = (rs, batch, warm + n, steps)
     return out, chk
 
@@ -478,6 +573,27 @@ def part_te_fp8(dev, quick, ctx):
     major, minor = torch.cuda.get_device_capability(dev)
     if (major, minor) < (8, 9):
         raise Skip(f"FP8 needs sm89+, this GPU is sm{major}{minor}")
+    from megak3.quant.te import _te_recipe, _te_version
+
+    chk = Check()
+    recipe = _te_recipe()
+    chosen = {"recipe": type(recipe).__name__, "capability": [major, minor], "cuda": torch.version.cuda,
+              "te_version": _te_version()}
+    support = None
+    for mod in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):
+        try:
+            support = getattr(__import__(mod, fromlist=["check_recipe_support"]), "check_recipe_support")
+            break
+        except (ImportError, AttributeError):
+            continue
+    if support is not None:   # TE's own verdict on the recipe megak3 chose for this GPU
+        try:
+            support(recipe)
+            chosen["te_accepts"] = True
+        except Exception as e:  # noqa: BLE001
+            chosen["te_accepts"] = f"{type(e).__name__}: {e}"[:300]
+        chk.require("te_recipe_supported", chosen["te_accepts"] is True,
+                    f"TE refuses {chosen['recipe']}: {chosen['te_accepts']}")
     ctx.pop("train", None)   # free the throughput model first
     gc.collect()
     torch.cuda.empty_cache()
@@ -498,13 +614,12 @@ def part_te_fp8(dev, quick, ctx):
         torch.cuda.empty_cache()
     a, b = curves["te"]["losses"], curves["none"]["losses"]
     gaps = [abs(x - y) / abs(y) for x, y in zip(a, b)]
-    chk = Check()
     chk.require("losses_finite", all(math.isfinite(x) for x in a + b), f"fp8 {a}, bf16 {b}")
     chk.require("loss_gap", max(gaps) <= TOL_FP8_LOSS,
                 f"max relative loss gap FP8 vs bf16 {max(gaps):.4f} > {TOL_FP8_LOSS} over {n} steps")
     import transformer_engine as te
 
-    return {"steps": n, "seq_len": T, "micro_batch": B, "te_version": getattr(te, "__version__", "?"),
+    return {"steps": n, "seq_len": T, "micro_batch": B, "te_version": getattr(te, "__version__", "?"), **chosen,
             "bf16_losses": b, "fp8_losses": a, "rel_gap_per_step": gaps, "max_rel_gap": max(gaps),
             "final_rel_gap": gaps[-1], "time_ratio_fp8_over_bf16": curves["te"]["s"] / curves["none"]["s"]}, chk
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megak3.config import ModelConfig
+from megak3.ops.cuda_rules import GROUPED_MM_MAX_GROUPS
 from megak3.ops.situ import situ_glu
 from megak3.ops.weight_grad import active_store, deferred_grouped_linear
 
@@ -114,8 +115,12 @@ def _compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
 
 
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether torch's grouped GEMM runs these operands without a host sync (see the note above)."""
+    """Whether torch's grouped GEMM runs these operands without a host sync (see the note above)
+    and within CUDA's group limit (megak3/ops/cuda_rules.py; also applied on CPU, so CPU runs take
+    the path a GPU would)."""
     if not hasattr(F, "grouped_mm") or x.shape[0] == 0:  # grouped_mm's backward rejects empty grads
+        return False
+    if w.shape[0] > GROUPED_MM_MAX_GROUPS:
         return False
     if x.device.type == "cpu":
         return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -127,9 +132,14 @@ def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def pick_impl(x: torch.Tensor, w: torch.Tensor, impl=None) -> str:
     """Resolve ``impl``: None/'auto' -> 'grouped_mm' where sync-free, else 'tiled'; True ->
-    'grouped_mm', False -> 'loop' (the old boolean switch); a name is kept."""
+    'grouped_mm', False -> 'loop' (the old boolean switch); a name is kept. 'grouped_mm' (or True)
+    with more than GROUPED_MM_MAX_GROUPS groups (w [G, O, I]) is a ValueError: CUDA's kernel
+    refuses it (the MoonEP config check, moonep/config.py, keeps training layouts below it)."""
     if impl is None or impl == "auto":
         return "grouped_mm" if _grouped_mm_ok(x, w) else "tiled"
+    if (impl is True or impl == "grouped_mm") and w.shape[0] > GROUPED_MM_MAX_GROUPS:
+        raise ValueError(f"grouped_linear: impl=grouped_mm with {w.shape[0]} groups; CUDA's grouped GEMM takes at "
+                         f"most {GROUPED_MM_MAX_GROUPS}: use impl='tiled' or fewer experts per rank")
     if impl is True:
         return "grouped_mm" if x.shape[0] > 0 else "tiled"
     if impl is False:

@@ -31,11 +31,15 @@ the probabilities chunk pair by chunk pair, so forward and backward both use O(T
 ``F.scaled_dot_product_attention(is_causal=True)`` on any device (its CPU and CUDA flash kernels keep
 memory linear in T); on CUDA with document ids or a query offset (context parallelism) it calls
 ``flex_document_attention``: a compiled FlexAttention with a causal document block mask, offset by
-``q_offset``, when ``torch.nn.attention.flex_attention`` imports (if it raises, a warning is issued
-once and the chunked path is used from then on); elsewhere it calls ``chunked_attention``. The block
-mask (``flex_block_mask``) is tested on CPU against the chunked and dense twins with torch's eager
-FlexAttention (forward: torch 2.13 has no FlexAttention backward on CPU); the compiled CUDA kernel
-and its backward run in tools/gpu_check.py.
+``q_offset``, when ``torch.nn.attention.flex_attention`` imports; elsewhere it calls
+``chunked_attention``. Before the first FlexAttention call of each call signature (shapes, dtype,
+device, documents, offset) its forward and backward run once on detached copies; if either raises,
+a warning is issued once and ``chunked_attention`` serves forward and backward from then on. The
+block mask (``flex_block_mask``) is built from block bounds (no [Tq, Tk] tensor) and tested on CPU
+against torch's dense ``create_block_mask`` and, with torch's eager FlexAttention, the chunked and
+dense twins (forward: torch 2.13 has no FlexAttention backward on CPU); its memory at T = 65,536 is
+measured on the meta device (tests/test_flex_memory.py); the compiled CUDA kernel and its backward
+run in tools/gpu_check.py.
 """
 from __future__ import annotations
 
@@ -238,27 +242,85 @@ def chunked_attention(q_BHTK, k_BHTK, v_BHTV, scale: float, doc_ids_BT: Optional
 
 @functools.lru_cache(maxsize=None)
 def _flex_functions():
-    """(compiled flex_attention, eager flex_attention, create_block_mask), or None when FlexAttention
+    """(compiled flex_attention, eager flex_attention, BlockMask), or None when FlexAttention
     does not import."""
     try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
     except Exception:  # noqa: BLE001 - any import failure means: not available
         return None
-    return torch.compile(flex_attention, dynamic=False), flex_attention, create_block_mask
+    return torch.compile(flex_attention, dynamic=False), flex_attention, BlockMask
 
+
+FLEX_BLOCK = 128
+"""FlexAttention's sparse block size (torch's default): the block mask has one entry per
+FLEX_BLOCK x FLEX_BLOCK tile of the [Tq, Tk] score matrix"""
 
 _flex_failed = False
+_flex_probed: dict = {}
+"""call signatures (shapes, dtype, device, documents, offset) whose FlexAttention forward and
+backward already ran once (``_flex_probe``)"""
 _block_mask_cache: list = []
 """one entry ``(key, doc_BT, block_mask)``: the MLA layers of one forward share their document ids
 (and, under CP, their query offset), so the block mask is built once per forward, not per layer;
 the entry holds ``doc_BT`` so its id cannot be reused while cached"""
 
 
+def _ordered(blocks_BHQK: torch.Tensor):
+    """FlexAttention's (num_blocks [B, H, nq] int32, indices [B, H, nq, nk] int32) of a block-level
+    bool tensor: each row's set blocks in ascending order first, then the unset ones ascending
+    (the order torch's ``create_block_mask`` produces)."""
+    m = blocks_BHQK.to(torch.int32)
+    idx = torch.argsort(m, dim=-1, descending=True, stable=True)
+    return m.sum(-1, dtype=torch.int32), idx.to(torch.int32)
+
+
+def flex_block_tiles(doc_BT: Optional[torch.Tensor], B: int, Tq: int, Tk: int, q_offset: int, device,
+                     block: int = FLEX_BLOCK):
+    """(partial, full): bool ``[B, 1, ceil(Tq / block), ceil(Tk / block)]`` tiles of the mask of
+    :func:`flex_block_mask`, computed from block bounds only (never a [Tq, Tk] tensor).
+
+    Tile (i, j) holds queries ``[i*block, (i+1)*block)`` (positions ``q_offset + ...``) and keys
+    ``[j*block, (j+1)*block)``. It is *full* when every entry is allowed: a complete tile (not
+    cut by Tq or Tk) whose last key is not in the future of its first query, and whose queries
+    and keys all carry one and the same document id. It is *partial* when it is not full and
+    some key is not in the future of the tile's last query and the tile's query and key
+    document-id ranges ``[min, max]`` overlap in that row. With document ids non-decreasing along
+    each row (packed documents) this is exact: the tiles equal ``create_block_mask``'s (test:
+    tests/test_flex_memory.py); with other ids a tile whose ranges overlap without a common id is
+    marked partial where create_block_mask leaves it empty (the kernel then applies the
+    per-entry mask there: same attention, some wasted work). Memory: O(B * T) for the per-tile
+    min / max ids plus O(B * (Tq/block) * (Tk/block)) for the tiles; no device-to-host copy."""
+    nq, nk = -(-Tq // block), -(-Tk // block)
+    qs = torch.arange(nq, device=device) * block
+    ks = torch.arange(nk, device=device) * block
+    qe, ke = (qs + block).clamp(max=Tq), (ks + block).clamp(max=Tk)
+    first_q, last_q = q_offset + qs, q_offset + qe - 1                       # absolute positions
+    some = ks[None, :] <= last_q[:, None]                                     # [nq, nk]
+    every = ((ke - 1)[None, :] <= first_q[:, None]) & ((qe - qs) == block)[:, None] \
+        & ((ke - ks) == block)[None, :]
+    some, every = some.expand(B, nq, nk), every.expand(B, nq, nk)
+    if doc_BT is not None:
+        qmin, qmax = _chunk_minmax(doc_BT[:, q_offset:q_offset + Tq], block)   # [B, nq]
+        kmin, kmax = _chunk_minmax(doc_BT, block)                               # [B, nk]
+        some = some & (kmin[:, None, :] <= qmax[:, :, None]) & (kmax[:, None, :] >= qmin[:, :, None])
+        one_doc = (qmin == qmax)[:, :, None] & (kmin == kmax)[:, None, :] & (qmin[:, :, None] == kmin[:, None, :])
+        every = every & one_doc
+    return (some & ~every).unsqueeze(1), every.unsqueeze(1)
+
+
 def flex_block_mask(doc_BT: Optional[torch.Tensor], B: int, Tq: int, Tk: int, q_offset: int, device):
     """The causal (same-document when ``doc_BT`` [B, Tk] is given) block mask of ``Tq`` queries at
     ``q_offset`` among ``Tk`` keys: key j is visible to query i iff ``j <= i + q_offset`` and both
-    tokens belong to the same document (the mask of :func:`reference_attention`)."""
-    create_block_mask = _flex_functions()[2]
+    tokens belong to the same document (the mask of :func:`reference_attention`).
+
+    Built with ``BlockMask.from_kv_blocks`` from :func:`flex_block_tiles`, not with
+    ``create_block_mask`` (which, called eagerly, evaluates the mask on a dense int64 [B, 1, Tq,
+    Tk] tensor: 32 GiB per row at T = 65,536). What it allocates is O(T) for the document bounds
+    plus a block-level term of a few ``[B, 1, Tq/128, Tk/128]`` int32/int64 tensors (the tiles,
+    their ordered indices and the transposed q-side indices FlexAttention's backward reads):
+    a peak of 7.5 MiB per row at T = 65,536, growing 4x per doubling of T (tests/test_flex_memory.py
+    prints it)."""
+    BlockMask = _flex_functions()[2]
     key = (id(doc_BT), None if doc_BT is None else doc_BT._version, B, Tq, Tk, q_offset, str(device))
     if _block_mask_cache and _block_mask_cache[0][0] == key:
         return _block_mask_cache[0][2]
@@ -270,7 +332,11 @@ def flex_block_mask(doc_BT: Optional[torch.Tensor], B: int, Tq: int, Tk: int, q_
 
         def mask_mod(b, h, q_idx, kv_idx):
             return (kv_idx <= q_idx + q_offset) & (doc_q[b, q_idx] == doc_BT[b, kv_idx])
-    bm = create_block_mask(mask_mod, B, None, Tq, Tk, device=device)
+    partial, full = flex_block_tiles(doc_BT, B, Tq, Tk, q_offset, device)
+    kv_num, kv_idx = _ordered(partial)
+    full_num, full_idx = _ordered(full)
+    bm = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=FLEX_BLOCK,
+                                  mask_mod=mask_mod, seq_lengths=(Tq, Tk))
     _block_mask_cache[:] = [(key, doc_BT, bm)]
     return bm
 
@@ -278,16 +344,47 @@ def flex_block_mask(doc_BT: Optional[torch.Tensor], B: int, Tq: int, Tk: int, q_
 def flex_document_attention(q_BHTK, k_BHTK, v_BHTV, scale: float, doc_ids_BT: Optional[torch.Tensor] = None,
                             q_offset: int = 0, compiled: bool = True) -> torch.Tensor:
     """Causal same-document attention by FlexAttention, the GPU form of :func:`chunked_attention`
-    with the same arguments: the compiled kernel computes scores tile by tile and skips fully masked
-    blocks, so no [Tq, Tk] tensor exists; the block mask itself is [B, 1, Tq/128, Tk/128] int32.
-    ``compiled=False`` runs torch's eager FlexAttention (dense scores: for testing the mask on CPU,
-    where torch 2.13's FlexAttention has no backward). Inputs keep their dtype (bf16 under
-    autocast); the kernel's softmax statistics are fp32."""
+    with the same arguments: the compiled kernel computes scores tile by tile and skips masked
+    tiles, so no [Tq, Tk] tensor exists; the block mask is block-level ([B, 1, Tq/128, Tk/128],
+    :func:`flex_block_mask`). ``compiled=False`` runs torch's eager FlexAttention (dense scores:
+    for testing the mask on CPU, where torch 2.13's FlexAttention has no backward). Inputs keep
+    their dtype (bf16 under autocast); the kernel's softmax statistics are fp32."""
     compiled_fn, eager_fn, _ = _flex_functions()
     B, _, Tq, _ = q_BHTK.shape
     doc = None if doc_ids_BT is None else doc_ids_BT.to(q_BHTK.device)
     bm = flex_block_mask(doc, B, Tq, k_BHTK.shape[2], q_offset, q_BHTK.device)
     return (compiled_fn if compiled else eager_fn)(q_BHTK, k_BHTK, v_BHTV, block_mask=bm, scale=scale)
+
+
+def _flex_device(q: torch.Tensor) -> bool:
+    """Whether ``attention`` sends documents / offsets to FlexAttention on q's device (CUDA)."""
+    return q.is_cuda
+
+
+def _flex_probe(q, k, v, scale: float, doc, q_offset: int) -> bool:
+    """Run FlexAttention forward *and* backward once per call signature, on detached copies of the
+    real inputs (so the compiled kernels the real call uses are the ones tried). On any exception:
+    warn once, set ``_flex_failed`` and return False, so this call and every later one take
+    ``chunked_attention`` for forward and backward alike; the real calls are never wrapped in a
+    try (a failure that the probe did not see raises). The probe's saved tensors go through
+    identity hooks, so inside an activation checkpoint the recomputation sees the same saved
+    tensors as the forward."""
+    global _flex_failed
+    sig = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, str(q.device), doc is None, q_offset)
+    if sig in _flex_probed:
+        return True
+    try:   # identity saved-tensor hooks: an enclosing activation checkpoint neither sees nor stores the probe
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            ins = [x.detach().requires_grad_() for x in (q, k, v)]
+            o = flex_document_attention(*ins, scale, doc, q_offset)
+            torch.autograd.grad(o, ins, torch.ones_like(o))
+    except Exception as e:  # noqa: BLE001 - fall back to the chunked path for good
+        _flex_failed = True
+        warnings.warn(f"FlexAttention failed ({type(e).__name__}: {e}); using chunked_attention "
+                      "for forward and backward")
+        return False
+    _flex_probed[sig] = True
+    return True
 
 
 def attention(q_BHTK, k_BHTK, v_BHTV, scale: float, doc_ids_BT: Optional[torch.Tensor] = None,
@@ -300,15 +397,12 @@ def attention(q_BHTK, k_BHTK, v_BHTV, scale: float, doc_ids_BT: Optional[torch.T
     FlexAttention on CUDA (its mask is offset like :func:`reference_attention`'s) and to the chunked
     path elsewhere (SDPA's ``is_causal`` aligns its mask top-left, so it cannot serve offsets).
     """
-    global _flex_failed
     _check(q_BHTK, k_BHTK, v_BHTV, doc_ids_BT, q_offset)
     offset = q_offset or q_BHTK.shape[2] != k_BHTK.shape[2]
     if doc_ids_BT is None and not offset:
         return F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTV, is_causal=True, scale=scale)
-    if q_BHTK.is_cuda and not _flex_failed and _flex_functions() is not None:
-        try:
-            return flex_document_attention(q_BHTK, k_BHTK, v_BHTV, scale, doc_ids_BT, q_offset)
-        except Exception as e:  # noqa: BLE001 - fall back to the chunked path for good
-            _flex_failed = True
-            warnings.warn(f"FlexAttention failed ({type(e).__name__}: {e}); using chunked_attention")
+    if _flex_device(q_BHTK) and not _flex_failed and _flex_functions() is not None:
+        doc = None if doc_ids_BT is None else doc_ids_BT.to(q_BHTK.device)
+        if _flex_probe(q_BHTK, k_BHTK, v_BHTV, scale, doc, q_offset):
+            return flex_document_attention(q_BHTK, k_BHTK, v_BHTV, scale, doc, q_offset)
     return chunked_attention(q_BHTK, k_BHTK, v_BHTV, scale, doc_ids_BT, q_chunk, k_chunk, q_offset)

@@ -14,6 +14,8 @@ the GEMM's (input, output-gradient) pair under ``store.key``. ``store.flush(key)
 ``torch.autograd.backward`` call: a leaf weight accumulates into ``.grad`` (hooks fire as usual); a
 derived weight (QAT fake-quant, MoonEP replicas, ...) carries the gradient through its own graph,
 which B never ran and therefore never freed. Several GEMMs on one weight tensor are summed first.
+A routed-expert dW is formed in its forward's compute dtype (bf16 under autocast, as autograd's
+grouped_mm backward does), so it reaches the same bf16 grouped GEMM (tests/test_cuda_constraints.py).
 Other parameters (norms, gates, small vectors) get their gradients in B as usual. Outside
 ``capture()`` the functions are plain ``F.linear`` / ``grouped_linear``.
 
@@ -75,8 +77,9 @@ class WeightGradStore:
     def defer_linear(self, weight, x, g) -> None:
         self._record(("linear", weight, x, g))
 
-    def defer_grouped(self, weight, x, g, counts, impl=None) -> None:
-        self._record(("grouped", weight, x, g, counts, impl))
+    def defer_grouped(self, weight, x, g, counts, impl=None, dtype=None) -> None:
+        """``dtype``: the forward's compute dtype (bf16 under autocast), in which dW is formed."""
+        self._record(("grouped", weight, x, g, counts, impl, dtype))
 
     def defer_call(self, fn: Callable[[], None]) -> None:
         """Any other deferred weight-gradient work (a closure run at flush)."""
@@ -103,8 +106,9 @@ class WeightGradStore:
             else:
                 from megak3.model.moe import grouped_weight_grad
 
-                _, _, x, g, counts, impl = item
-                gw = grouped_weight_grad(x.to(w.dtype), g.to(w.dtype), counts, w.shape[0], impl)
+                _, _, x, g, counts, impl, dt = item
+                dt = dt or w.dtype   # the forward's compute dtype, as autograd's dW of grouped_mm
+                gw = grouped_weight_grad(x.to(dt), g.to(dt), counts, w.shape[0], impl).to(w.dtype)
             slot = grads.setdefault(id(w), [w, None])
             slot[1] = gw if slot[1] is None else slot[1] + gw
         if grads:
@@ -155,7 +159,9 @@ class _DeferredGroupedLinear(torch.autograd.Function):
 
         ctx.save_for_backward(x_XI, counts)
         ctx.store, ctx.gmm, ctx.weight = store, use_grouped_mm, weight.w
-        return grouped_linear(x_XI, weight.w.detach(), counts, use_grouped_mm)
+        y = grouped_linear(x_XI, weight.w.detach(), counts, use_grouped_mm)
+        ctx.dt = y.dtype
+        return y
 
     @staticmethod
     def backward(ctx, g_XO):
@@ -167,7 +173,7 @@ class _DeferredGroupedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # g_e @ w_e = g_e @ (w_e^T)^T
             gx = grouped_linear(g_XO.contiguous(), w.detach().transpose(-2, -1).contiguous().to(g_XO.dtype),
                                 counts, ctx.gmm)
-        ctx.store.defer_grouped(w, x_XI, g_XO, counts, ctx.gmm)
+        ctx.store.defer_grouped(w, x_XI, g_XO, counts, ctx.gmm, ctx.dt)
         ctx.weight = None
         return gx, None, None, None, None
 

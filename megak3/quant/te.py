@@ -9,9 +9,10 @@ misaligned projections (KDA ``b_proj`` [H, D]) stay in high precision.
 
 * ``fp8="te"``: each such linear becomes ``transformer_engine.pytorch.Linear`` (weights copied; the
   module keeps its name, so optimizer groups by name still apply; build the optimizer AFTER this).
-  Run forward passes inside ``fp8_autocast_context(qcfg)``; its recipe follows the GPU:
-  Float8BlockScaling on Hopper (sm90), MXFP8BlockScaling on Blackwell (sm100+), Float8CurrentScaling
-  otherwise (sm89 Ada). These recipes keep no state between steps, so checkpoints carry no TE
+  Run forward passes inside ``fp8_autocast_context(qcfg)``; its recipe follows the GPU, the CUDA
+  version and the TE version (``te_recipe_name``): Float8BlockScaling on Hopper (sm90) with
+  CUDA >= 12.9 and TE >= 2.3, MXFP8BlockScaling on sm100/sm110, Float8CurrentScaling otherwise
+  (sm89 Ada, sm120, an older Hopper stack). These recipes keep no state between steps, so checkpoints carry no TE
   ``_extra_state``; a TE with only DelayedScaling (amax history) is refused (``_te_recipe``).
 * ``fp8="emulate"``: each such linear becomes ``MXFP8Linear`` (same Parameter object, same state
   dict) computing ``F.linear(fq8(x), fq8(W))`` with MXFP8 (E4M3, blocks of 32 along the input dim)
@@ -114,29 +115,83 @@ def apply_fp8(model: nn.Module, qcfg: QuantConfig) -> List[str]:
 
 
 TE_STATEFUL = ("quant.fp8=te needs a Transformer Engine with current or block scaling recipes "
-               "(Float8CurrentScaling / Float8BlockScaling / MXFP8BlockScaling, TE >= 2.2); this one has "
+               "(Float8CurrentScaling and MXFP8BlockScaling, in TE >= 2.2; Float8BlockScaling from 2.3); this one has "
                "only DelayedScaling, whose amax history megak3 checkpoints do not carry: upgrade "
                "transformer_engine or use quant.fp8=emulate")
 
 
-def _te_recipe(R=None, major: int | None = None):
-    """The TE recipe for this GPU: MXFP8BlockScaling on Blackwell (sm100+), Float8BlockScaling on
-    Hopper (sm90), Float8CurrentScaling otherwise. All three take each tensor's scales from the
-    tensor being cast, so a TE linear carries nothing from one step to the next and a checkpoint
-    needs no TE ``_extra_state`` (megak3 checkpoints hold parameters, buffers and optimizer state
-    only). DelayedScaling would (an amax history) and is refused: ``ValueError(TE_STATEFUL)``.
-    ``R`` / ``major``: the recipe module and compute capability (tests inject them)."""
+def _version(v) -> tuple:
+    """(major, minor) of a version string such as '2.3.0+abc' or '12.9'; (0, 0) when unknown."""
+    try:
+        parts = str(v).split("+")[0].split(".")
+        return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+    except (TypeError, ValueError, IndexError):
+        return 0, 0
+
+
+def _te_version() -> str | None:
+    """The installed Transformer Engine's version string, or None."""
+    try:
+        import transformer_engine
+
+        v = getattr(transformer_engine, "__version__", None)
+        if v:
+            return v
+    except Exception:  # noqa: BLE001 - not installed or broken: the metadata may still say
+        pass
+    from importlib import metadata
+
+    for dist in ("transformer_engine", "transformer-engine"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def te_recipe_name(capability: tuple, cuda: str | None, te_version: str | None, available) -> str:
+    """The recipe for a GPU of compute ``capability`` (major, minor) with CUDA ``cuda`` (torch's
+    ``torch.version.cuda``) and Transformer Engine ``te_version``; ``available``: the recipe class
+    names the TE has. Each choice within what TE's ``check_recipe_support`` accepts:
+
+    * sm90 (Hopper): Float8BlockScaling when TE >= 2.3 (it appeared then), CUDA >= 12.9 (TE:
+      "FP8 block scaled GEMM requires Hopper and CUDA >= 12.9") and the class is there;
+    * sm100 / sm110 (Blackwell datacenter): MXFP8BlockScaling when the class is there;
+    * sm120+ (Blackwell consumer): never MXFP8 (TE: "MXFP8 (for all gemm layouts) is not
+      supported on 12.0+ architectures yet"), never block scaling;
+    * otherwise, and as the fallback of the above: Float8CurrentScaling.
+
+    Raises ValueError(TE_STATEFUL) when the choice and Float8CurrentScaling are both absent."""
+    major = capability[0]
+    if major == 9 and _version(te_version) >= (2, 3) and _version(cuda) >= (12, 9) \
+            and "Float8BlockScaling" in available:
+        return "Float8BlockScaling"
+    if major in (10, 11) and "MXFP8BlockScaling" in available:
+        return "MXFP8BlockScaling"
+    if "Float8CurrentScaling" in available:
+        return "Float8CurrentScaling"
+    raise ValueError(TE_STATEFUL)
+
+
+def _te_recipe(R=None, major: int | None = None, minor: int | None = None, cuda: str | None = None,
+               te_version: str | None = None):
+    """The TE recipe for this GPU (:func:`te_recipe_name`). All recipes chosen take each tensor's
+    scales from the tensor being cast, so a TE linear carries nothing from one step to the next and
+    a checkpoint needs no TE ``_extra_state`` (megak3 checkpoints hold parameters, buffers and
+    optimizer state only). DelayedScaling would (an amax history) and is refused:
+    ``ValueError(TE_STATEFUL)``. ``R`` (the recipe module), ``major`` / ``minor`` (compute
+    capability), ``cuda`` and ``te_version``: injected by tests; each one not given is queried
+    (``torch.cuda.get_device_capability()``, ``torch.version.cuda``, the installed TE)."""
     if R is None:
         from transformer_engine.common import recipe as R
     if major is None:
-        major, _ = torch.cuda.get_device_capability()
-    if major >= 10 and hasattr(R, "MXFP8BlockScaling"):
-        return R.MXFP8BlockScaling()
-    if major == 9 and hasattr(R, "Float8BlockScaling"):
-        return R.Float8BlockScaling()
-    if hasattr(R, "Float8CurrentScaling"):
-        return R.Float8CurrentScaling()
-    raise ValueError(TE_STATEFUL)
+        major, minor = torch.cuda.get_device_capability()
+    if cuda is None:
+        cuda = torch.version.cuda
+    if te_version is None:
+        te_version = _te_version()
+    names = [n for n in ("Float8BlockScaling", "MXFP8BlockScaling", "Float8CurrentScaling") if hasattr(R, n)]
+    return getattr(R, te_recipe_name((major, minor or 0), cuda, te_version, names))()
 
 
 def fp8_autocast_context(qcfg: QuantConfig):

@@ -9,7 +9,7 @@ Per LatentMoE call on EP rank ``me`` of R (E_loc = E/R home experts, M replica s
    slot)) and the receive offsets (slot-major, then source) in each rank's [S*K, L] buffer.
 3. **Replica weights.** One all_to_all_single per layer and step moves the w1/w3/w2 of every
    replicated expert from its home rank to the ranks hosting a copy, in the compute dtype (bf16
-   under autocast), straight into rows [E_loc, E_loc + n) of this layer's persistent [J, P] buffer
+   under autocast), straight into rows [E_loc, E_loc + n) of a persistent [J, P] buffer (shared by the layers)
    whose rows [0, E_loc) receive the home weights (:class:`_StackWeights`, :class:`ReplicaBuffers`:
    no per-layer cat or clone). It is issued with ``async_op=True`` and waited for just before the
    expert GEMMs; the layer's shared experts (``overlap=``) and the token dispatch run meanwhile
@@ -135,12 +135,16 @@ class _StackWeights(torch.autograd.Function):
 
 
 class ReplicaBuffers:
-    """Persistent [J, P] weight buffers of one dispatcher (one MoE layer), in the compute dtype.
+    """Persistent [J, P] weight buffers in the compute dtype, shared by the MoE layers of a model
+    (parallel/expert_parallel.py hands one to every layer's dispatcher).
 
     A buffer is free when nothing but this object references its storage: the views handed to the
-    expert GEMMs (saved by autograd until the layer's backward) keep it busy, so a pipeline schedule
-    with several micro-batches in flight gets one buffer per in-flight forward and a plain step
-    reuses one buffer for the whole run. ``allocations`` counts real allocations.
+    expert GEMMs (saved by autograd until the layer's backward) keep it busy. Without activation
+    checkpointing every layer's forward therefore keeps its own buffer until its backward (one per
+    MoE layer and forward in flight); with full recomputation the forward saves nothing, so the
+    next layer reuses the same buffer, and in backward each layer's recompute refetches its
+    replicas into whichever buffer is free (one buffer per rank). ``allocations`` counts real
+    allocations.
     """
 
     def __init__(self):
@@ -173,6 +177,8 @@ class MoonEPDispatcher:
     pool: the fixed-buffer pool (default: the process-wide one), shared by all layers.
     recorder: optional callable ``recorder(dispatcher, counts_RE, plan)`` for load statistics.
     tolerance: plan no replicas when max/mean rank load <= 1 + tolerance (moonep.tolerance).
+    replica_buffers: the :class:`ReplicaBuffers` to draw replica weight buffers from (shared across
+    layers by parallelize_ep); default: a new one for this layer.
     """
 
     overlaps = True
@@ -180,7 +186,7 @@ class MoonEPDispatcher:
 
     def __init__(self, ep_group, num_experts: int, top_k: int, max_replicas_per_rank: Optional[int] = None,
                  planner_backend: str = "auto", pool: Optional[BufferPool] = None, recorder=None,
-                 layer_idx: int = 0, tolerance: float = 0.0):
+                 layer_idx: int = 0, tolerance: float = 0.0, replica_buffers: Optional["ReplicaBuffers"] = None):
         self.group = ep_group
         self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
         self.rank = 0 if ep_group is None else dist.get_rank(ep_group)
@@ -198,8 +204,9 @@ class MoonEPDispatcher:
         self.tolerance = float(tolerance)
         self.planner_backend = planner_backend
         self.pool = pool if pool is not None else DEFAULT_POOL
-        self.replica_buffers = ReplicaBuffers()
-        """this layer's persistent [E_loc + M, P] weight buffers (compute dtype)"""
+        self.replica_buffers = replica_buffers if replica_buffers is not None else ReplicaBuffers()
+        """the persistent [E_loc + M, P] weight buffers (compute dtype) this layer draws from: shared
+        with the model's other MoE layers when given (parallelize_ep), else this layer's own"""
         self.overlap_shared = True
         """run the layer's ``overlap`` work (shared experts) while the replica fetch is in flight;
         False issues the same work after waiting (the baseline of tools/bench_overlap.py)"""

@@ -47,6 +47,10 @@ class EPPlan:
     """one per LatentMoE, in model order"""
     pool: Optional[BufferPool] = None
     """the fixed-buffer pool shared by every layer's MoonEP dispatcher"""
+    replica_buffers: Optional[object] = None
+    """moonep.moonep.ReplicaBuffers shared by every layer's MoonEP dispatcher (a buffer is reused by
+    the next layer once no autograd graph holds its views: with activation checkpointing one buffer
+    serves all layers)"""
 
 
 def _group_of(ps_or_group):
@@ -92,11 +96,14 @@ def parallelize_ep(model: nn.Module, ps_or_group, moonep_cfg: Optional[MoonEPCon
             plan.shard_dim[canon.removeprefix(".")] = 0
         ex.num_experts = El
         if cfg.enabled:
-            from moonep.moonep import MoonEPDispatcher
+            from moonep.moonep import MoonEPDispatcher, ReplicaBuffers
 
+            if plan.replica_buffers is None:
+                plan.replica_buffers = ReplicaBuffers()
             disp = MoonEPDispatcher(group, E, moe.top_k, cfg.replicas_per_rank(E, size),
                                     planner_backend=cfg.planner_backend, pool=plan.pool, recorder=recorder,
-                                    layer_idx=layer_idx, tolerance=float(cfg.tolerance))
+                                    layer_idx=layer_idx, tolerance=float(cfg.tolerance),
+                                    replica_buffers=plan.replica_buffers)
         else:
             disp = BaselineDispatcher(group, E, recorder=recorder, layer_idx=layer_idx)
         moe.expert_dispatch = disp

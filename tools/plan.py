@@ -150,8 +150,9 @@ def format_plan(p) -> str:
                      f"in flight, {v['activation_bytes_per_image'] / GiB:.2f} GiB each)")
     lines += [f"  KDA chunk states {_g(m['kda_states'])}   (inside activations)",
               f"  MoonEP buffers   {_g(m['moonep_buffers'])}",
-              f"  MoonEP replicas  {_g(m['moonep_replica_buffers'])}   (persistent [E/ep + {m['moonep_replica_slots']}"
-              f" slots, 3 x latent x expert width] per MoE layer, compute dtype)",
+              f"  MoonEP replicas  {_g(m['moonep_replica_buffers'])}   ({m['moonep_replica_buffer_count']} persistent "
+              f"[E/ep + {m['moonep_replica_slots']} slots, 3 x latent x expert width] buffer(s) shared by the MoE "
+              f"layers, compute dtype)",
               f"  QB statistics    {_g(m['qb_stats'])}   ({m['qb_method']}, {m['moe_layers']} MoE layers"
               + (f"; + {m['qb_transient'] / GiB:.2f} GiB gathered at the step end" if m["qb_transient"] else "") + ")",
               f"  autocast copies  {_g(m['autocast_weight_copies'])}",

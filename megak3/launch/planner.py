@@ -31,10 +31,10 @@ Memory per rank (bytes; the rank of the pipeline stage that needs the most), as 
              shown separately)
   moonep     transient dispatch buffers of one MoE layer under EP: send, receive, expert output and
              combine, each [S*K, latent] (S = tokens of the rank, K = top_k)
-  moonep_replica_buffers  MoonEP's persistent per-layer weight buffers (moonep_replica_figures):
-             [E/ep + M, 3 x latent x expert width] in the compute dtype per MoE layer (M =
-             moonep.max_replicas_per_rank, 0 = E/ep), one per forward in flight on the stage (one
-             with activation checkpointing); allocated at the first replica and kept for the run
+  moonep_replica_buffers  MoonEP's persistent weight buffers (moonep_replica_figures), shared by
+             the layers: [E/ep + M, 3 x latent x expert width] in the compute dtype (M =
+             moonep.max_replicas_per_rank, 0 = E/ep); one per rank with activation checkpointing, else
+             one per MoE layer and forward in flight on the stage; allocated at first use, kept for the run
   qb_stats   Quantile-Balancing statistics of the stage's MoE layers (qb_figures): histogram
              int64 [E, bins] per layer, or the exact method's fp32 margins of the rank's tokens of the
              step [T_rank, E] per layer + at the step end one layer's gathered [T_group, E] twice
@@ -798,23 +798,25 @@ def _n_moe(cfg: ModelConfig, layers) -> int:
 def moonep_replica_figures(cfg: ModelConfig, pc: PlanConfig, n_moe: int, in_flight: float = 1.0) -> dict:
     """Memory and traffic of MoonEP's replica weights for ``n_moe`` MoE layers on one EP rank.
 
-    moonep/moonep.py: each MoE layer's dispatcher keeps persistent ``[J, P]`` buffers
-    (``ReplicaBuffers``), J = E/ep home experts + M replica slots (moonep.max_replicas_per_rank,
-    0 = E/ep), P = w1 + w3 + w2 of one expert = 3 x latent x expert width, in the compute dtype (bf16
-    under autocast, else the param dtype). A buffer stays busy while autograd holds the views of a
-    forward, so a layer keeps one per forward in flight on the stage (``in_flight``, rounded up);
-    with activation checkpointing the forward saves nothing and the recompute runs one layer at a
-    time: one. It is allocated at the layer's first replica and kept for the run, so it is counted
-    in full. Traffic per layer and forward (and recompute forward): at most M experts' weights
-    received (the average rank sends as much), and in backward their gradients sent back, in the
-    same dtype. Nothing under the baseline dispatcher (``moonep=False``) or without EP.
+    moonep/moonep.py: the dispatchers of a model's MoE layers draw persistent ``[J, P]`` buffers from
+    one shared ``ReplicaBuffers`` (parallelize_ep), J = E/ep home experts + M replica slots
+    (moonep.max_replicas_per_rank, 0 = E/ep), P = w1 + w3 + w2 of one expert = 3 x latent x expert
+    width, in the compute dtype (bf16 under autocast, else the param dtype). A buffer stays busy
+    while autograd holds the views of a layer's forward. With activation checkpointing the forward
+    saves nothing and the recompute runs one layer at a time, refetching its replicas: ONE buffer
+    per rank serves every layer. Without it every MoE layer's forward keeps its own until its
+    backward: one per layer and forward in flight on the stage (``in_flight``, rounded up). Buffers
+    are allocated at first use and kept for the run, so they are counted in full. Traffic per layer
+    and forward (and recompute forward): at most M experts' weights received (the average rank
+    sends as much), and in backward their gradients sent back, in the same dtype. Nothing under
+    the baseline dispatcher (``moonep=False``) or without EP.
 
     Returns slots (M), rows_per_buffer (J), elements_per_row (P), bytes_per_element,
-    buffer_bytes (one layer's one buffer), buffers_per_layer, memory (bytes, all layers), and
+    buffer_bytes (one buffer), buffers (how many the rank holds), memory (bytes), and
     fetch_bytes_per_layer_pass (M x P x bytes).
     """
     out = {"slots": 0, "rows_per_buffer": 0, "elements_per_row": 0, "bytes_per_element": 0, "buffer_bytes": 0,
-           "buffers_per_layer": 0, "memory": 0.0, "fetch_bytes_per_layer_pass": 0.0}
+           "buffers": 0, "memory": 0.0, "fetch_bytes_per_layer_pass": 0.0}
     if pc.ep <= 1 or not pc.moonep or not n_moe:
         return out
     e = cfg.moe
@@ -822,10 +824,10 @@ def moonep_replica_figures(cfg: ModelConfig, pc: PlanConfig, n_moe: int, in_flig
     m = pc.max_replicas_per_rank or el
     p = 3 * e.latent_size * e.expert_intermediate_size
     b = 2 if pc.precision == "bf16" or pc.param_dtype == "bf16" else 4
-    bufs = 1 if pc.activation_checkpointing else max(1, math.ceil(in_flight - 1e-9))
+    bufs = 1 if pc.activation_checkpointing else n_moe * max(1, math.ceil(in_flight - 1e-9))
     out.update(slots=m, rows_per_buffer=el + m, elements_per_row=p, bytes_per_element=b,
-               buffer_bytes=(el + m) * p * b, buffers_per_layer=bufs,
-               memory=float(n_moe * bufs * (el + m) * p * b), fetch_bytes_per_layer_pass=float(m * p * b))
+               buffer_bytes=(el + m) * p * b, buffers=bufs,
+               memory=float(bufs * (el + m) * p * b), fetch_bytes_per_layer_pass=float(m * p * b))
     return out
 
 
@@ -1126,7 +1128,8 @@ def stage_memory(cfg: ModelConfig, pc: PlanConfig, stage: int) -> dict:
             "optimizer_state": mem["optimizer_state"], "activations": acts,
             "activations_by_kind_per_micro_batch": by_kind, "activations_no_checkpointing": full * in_flight + head,
             "kda_states": kda_states, "cp_saved_per_micro_batch": cp_saved, "moonep_buffers": moonep, "moonep_replica_buffers": replicas["memory"],
-            "moonep_replica_slots": replicas["slots"], "comm_buffers": comm,
+            "moonep_replica_slots": replicas["slots"], "moonep_replica_buffer_count": replicas["buffers"],
+            "comm_buffers": comm,
             "qb_stats": qb["persistent"], "qb_transient": qb["transient"], "qb_method": qb["method"],
             "backward_transient": transient, "autocast_weight_copies": autocast_copies, "total": total,
             "local_params": mem["local_params"], "local_dense": mem["local_dense"],

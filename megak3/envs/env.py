@@ -161,9 +161,9 @@ class SandboxEnv(Environment):
         other.restore(snap_id)
         return other
 
-    def digest(self) -> str:
-        """sha256 of the tree (paths, kinds, modes, mtimes, bytes) — for tests and checks."""
-        return tree_digest(self.sandbox.workdir)
+    def digest(self, mtimes: bool = True) -> str:
+        """sha256 of the tree (paths, kinds, modes, mtimes unless ``mtimes=False``, bytes) — for checks."""
+        return tree_digest(self.sandbox.workdir, mtimes)
 
     def close(self) -> None:
         if self.sandbox is not None:

@@ -78,7 +78,7 @@ def drop_and_exec(spec):
     for name, value in spec["rlimits"].items():
         # CPU: soft limit -> SIGXCPU (the command can tell why it stopped), hard 1 s later -> SIGKILL
         resource.setrlimit(getattr(resource, name), (value, value + 1 if name == "RLIMIT_CPU" else value))
-    for sig in (signal.SIGPIPE, signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM):   # python ignores some
         signal.signal(sig, signal.SIG_DFL)
     os.execve(spec["argv"][0], spec["argv"], spec["env"])
 

@@ -257,8 +257,9 @@ class EnvPool:
     def state(self, eid: str) -> Dict:
         return self._call(eid, {"op": "digest"})["state"]
 
-    def digest(self, eid: str) -> str:
-        return self._call(eid, {"op": "digest"})["digest"]
+    def digest(self, eid: str, mtimes: bool = True) -> str:
+        """sha256 of the episode's tree (``snapshot.tree_digest``)."""
+        return self._call(eid, {"op": "digest", "mtimes": mtimes})["digest"]
 
     def close(self, eid: str) -> None:
         if eid in self.where:

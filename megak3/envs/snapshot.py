@@ -223,12 +223,13 @@ class SnapshotStore:
         return freed
 
 
-def tree_digest(workdir: str) -> str:
-    """sha256 over every entry's path, kind, mode, mtime and bytes/target (tests compare trees with it)."""
+def tree_digest(workdir: str, mtimes: bool = True) -> str:
+    """sha256 over every entry's path, kind, mode, mtime (unless ``mtimes=False``) and bytes/target."""
     h = hashlib.sha256()
     for rel, st in _walk(workdir):
         p = os.path.join(workdir, rel)
-        h.update(f"{rel}\0{stat.S_IFMT(st.st_mode)}\0{stat.S_IMODE(st.st_mode)}\0{st.st_mtime_ns}\0".encode())
+        mtime = st.st_mtime_ns if mtimes else 0
+        h.update(f"{rel}\0{stat.S_IFMT(st.st_mode)}\0{stat.S_IMODE(st.st_mode)}\0{mtime}\0".encode())
         if stat.S_ISREG(st.st_mode):
             with open(p, "rb") as f:
                 h.update(hashlib.sha256(f.read()).digest())

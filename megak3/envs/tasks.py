@@ -1,7 +1,7 @@
 """Multi-turn tool tasks with verifiable rewards, generated deterministically from a seed.
 
-A task is named by its spec ``{"family": name, "seed": int}`` (what checkpoints store); ``make_task``
-rebuilds the same files, prompt and answer from it. Families:
+A task is named by its spec ``{"family": name, "seed": int}`` (optionally ``"max_turns"``; what
+checkpoints store); ``make_task`` rebuilds the same files, prompt and answer from it. Families:
 
 - ``ledger``: CSV sales files spread over nested directories; the question asks for the total revenue
   of one item over all of them. Needs listing, reading (or a script) and arithmetic; reward 1.0 when
@@ -33,7 +33,7 @@ class Task:
 
     @property
     def spec(self) -> Dict:
-        return {"family": self.family, "seed": self.seed}
+        return {"family": self.family, "seed": self.seed, "max_turns": self.max_turns}
 
     def score(self, answer: str, sandbox) -> float:
         return self.scorer(self, answer, sandbox)
@@ -108,9 +108,15 @@ FAMILIES = {"ledger": _ledger, "fixbug": _fixbug}
 
 
 def make_task(spec) -> Task:
-    """The task a spec names; ``spec`` is {"family", "seed"} or a Task."""
+    """The task a spec names: {"family", "seed"[, "max_turns"]} (max_turns overrides the family's), or a Task."""
     if isinstance(spec, Task):
         return spec
-    if not isinstance(spec, dict) or spec.get("family") not in FAMILIES or not isinstance(spec.get("seed"), int):
-        raise ValueError(f"task spec {spec!r} must be {{'family': one of {sorted(FAMILIES)}, 'seed': int}}")
-    return FAMILIES[spec["family"]](spec["seed"])
+    turns = spec.get("max_turns") if isinstance(spec, dict) else None
+    if not isinstance(spec, dict) or spec.get("family") not in FAMILIES or not isinstance(spec.get("seed"), int) \
+            or set(spec) - {"family", "seed", "max_turns"} or not (turns is None or isinstance(turns, int) and turns > 0):
+        raise ValueError(f"task spec {spec!r} must be {{'family': one of {sorted(FAMILIES)}, 'seed': int"
+                         f"[, 'max_turns': positive int]}}")
+    task = FAMILIES[spec["family"]](spec["seed"])
+    if turns is not None:
+        task.max_turns = turns
+    return task

@@ -4,9 +4,10 @@ A model turn calls exactly one tool by writing a JSON object between tags::
 
     <tool_call>{"name": "shell", "arguments": {"cmd": "ls -la"}}</tool_call>
 
-Text outside the tags is free (reasoning); only the first ``<tool_call>`` block is read, and more
-than one block is an error. ``name`` must be one of the environment's tools and ``arguments`` an
-object whose keys are that tool's parameters (all required unless the tool gives a default).
+Text outside the tags is free (reasoning); a turn holds exactly one ``<tool_call>`` block. The JSON
+may not contain the text ``</tool_call>``: write ``<\\/`` for ``</`` inside strings (valid JSON;
+``ToolCall.to_text`` does). ``name`` must be one of the environment's tools and ``arguments`` an
+object whose keys are that tool's parameters, all strings (required unless the tool has a default).
 ``parse_tool_call`` never raises on model text: a malformed call returns a ``ToolCallError`` whose
 message is what the model sees as its observation.
 """
@@ -38,7 +39,8 @@ class ToolCall:
 
     def to_text(self) -> str:
         """The call written in the documented format (what a policy emits)."""
-        return f"{OPEN}{json.dumps({'name': self.name, 'arguments': self.arguments})}{CLOSE}"
+        body = json.dumps({"name": self.name, "arguments": self.arguments}).replace("</", "<\\/")
+        return f"{OPEN}{body}{CLOSE}"
 
 
 @dataclass(frozen=True)

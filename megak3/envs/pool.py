@@ -49,9 +49,14 @@ class _Future:
 
 
 class ProcessWorker:
-    """A worker child process; requests are pipelined and answered in order (stderr: ``base/worker.log``)."""
+    """A worker child process; requests are pipelined and answered in order (stderr: ``base/worker.log``).
 
-    def __init__(self, store: str, base: str, limits: Dict, reply_timeout: float, die_with_parent: bool = True):
+    The worker exits when its stdin closes, i.e. when this process ends (after the command it is running,
+    at most ``wall_seconds``). No parent-death signal by default: that signal follows the *thread* that
+    started the worker, and the pool may start replacements from any thread.
+    """
+
+    def __init__(self, store: str, base: str, limits: Dict, reply_timeout: float, die_with_parent: bool = False):
         self.reply_timeout = reply_timeout
         os.makedirs(base, exist_ok=True)
         cmd = worker_command(store, base, limits) + (["--die-with-parent"] if die_with_parent else [])

@@ -3,8 +3,8 @@
 Ray places the actors (one CPU each by default) on whatever cluster ``ray.init`` joined; the pool's
 recovery logic is the same as for local processes (``pool.EnvPool``). When this process has not
 initialised Ray, ``RayWorker`` starts a local one bound to loopback (``127.0.0.1``) with the CPUs of
-this machine, no dashboard. The actor does not use a parent-death signal (Ray runs actor calls on
-its own threads); its worker process exits when the actor's pipe closes, i.e. when the actor dies.
+this machine, no dashboard. The actor's worker process exits when the actor's pipe closes, i.e. when
+the actor dies.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def ensure_ray(num_cpus: int = None):
 @ray.remote(num_cpus=1, max_restarts=0)
 class EnvWorkerActor:
     def __init__(self, store: str, base: str, limits: Dict, reply_timeout: float):
-        self.worker = ProcessWorker(store, base, limits, reply_timeout, die_with_parent=False)
+        self.worker = ProcessWorker(store, base, limits, reply_timeout)
 
     def call(self, req: Dict) -> Dict:
         try:

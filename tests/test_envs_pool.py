@@ -10,6 +10,7 @@ import time
 import pytest
 
 from megak3.envs import EnvPool, ToolCall, make_task
+from megak3.envs.host import host_isolation
 from megak3.envs.tasks import FIXBUG
 
 LEDGER = {"family": "ledger", "seed": 7, "max_turns": 50}
@@ -68,8 +69,11 @@ def test_kill_9_resumes_from_last_snapshot(pool):
     t = threading.Thread(target=lambda: result.update(r=pool.step("k", slow)))
     t.start()
     time.sleep(0.4)
-    os.kill(pool.worker_pid("k"), signal.SIGKILL)
+    dead = pool.worker_pid("k")
+    os.kill(dead, signal.SIGKILL)
     t.join(60)
+    cg = host_isolation().pids_cgroup
+    assert not cg or not [d for d in os.listdir(cg) if d.startswith(f"{dead}-")]    # its command's cgroup
     ref = pool.step("ref", slow)
     assert result["r"].observation == ref.observation == "[exit 0]\na\n"
     assert pool.digest("k", mtimes=False) == pool.digest("ref", mtimes=False)   # marker written once

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from megak3.envs.env import StepResult
-from megak3.envs.sandbox import SandboxLimits, _pdeathsig
+from megak3.envs.sandbox import SandboxLimits, _pdeathsig, remove_stale_cgroups
 from megak3.envs.toolcall import ToolCall
 
 
@@ -158,6 +158,7 @@ class EnvPool:
             self.workers[dead].kill()
         except Exception:  # noqa: BLE001 - already gone
             pass
+        remove_stale_cgroups()
         self.workers[dead] = self._start_worker()
         event = PoolEvent("worker_died", dead)
         for eid in sorted(e for e, w in self.where.items() if w == dead):

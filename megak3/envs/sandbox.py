@@ -132,6 +132,27 @@ def _kill_uid(uid: int) -> int:
     return killed
 
 
+def remove_stale_cgroups() -> int:
+    """Remove the command cgroups of workers that no longer exist (killed mid-command); return how many."""
+    parent, removed = host_isolation().pids_cgroup, 0
+    if not parent:
+        return 0
+    for name in os.listdir(parent):
+        owner = name.split("-", 1)[0]
+        path = os.path.join(parent, name)
+        if not owner.isdigit() or not os.path.isdir(path) or os.path.exists(f"/proc/{owner}"):
+            continue
+        try:
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                for pid in f.read().split():
+                    os.kill(int(pid), signal.SIGKILL)
+            os.rmdir(path)
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
 class ProcessSandbox:
     """One episode's directory and the commands run in it. ``uid`` must be > 0 and unique per episode."""
 

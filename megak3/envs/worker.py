@@ -20,7 +20,7 @@ from typing import Dict
 
 from megak3.envs.env import SandboxEnv
 from megak3.envs.host import enter_private_mounts, host_isolation
-from megak3.envs.sandbox import SandboxLimits
+from megak3.envs.sandbox import SandboxLimits, remove_stale_cgroups
 from megak3.envs.snapshot import SnapshotStore
 from megak3.envs.toolcall import ToolCall
 
@@ -102,6 +102,7 @@ def main(argv=None):
     if args.die_with_parent:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)    # PR_SET_PDEATHSIG
     enter_private_mounts()
+    remove_stale_cgroups()
     print(host_isolation().describe(), file=sys.stderr, flush=True)
     proto_out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)                                                 # stray prints go to stderr, not the protocol

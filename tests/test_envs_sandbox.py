@@ -166,3 +166,27 @@ def test_malformed_calls_keep_the_worker(pool):
         r = pool.step(eid, text)
         assert r.observation.startswith("error: ") and not r.done
     assert pool.events == []
+
+
+def test_rlimits_only_mode(monkeypatch):
+    """Where namespaces are refused: the start-up line says so; the per-episode uid, rlimits, the pids
+    cgroup, the tmpfs quota and killing the uid's processes after each command still hold."""
+    monkeypatch.setenv("MEGAK3_ENVS_NO_NAMESPACES", "1")
+    with EnvPool(1, limits=LIMITS) as p:
+        assert "NO namespaces" in p.isolation
+        for eid in ("victim", "thief"):
+            p.reset(eid, TASK)
+        call(p, "victim", "write_file", path="secret.txt", content="s3cret-token")
+        victim_dir = os.path.join(p.base_dir, "w1", "victim")
+        out = call(p, "thief", "shell", cmd=f"id -u; cat {victim_dir}/secret.txt; ls {victim_dir}")
+        assert out.split("\n")[1] == str(episode_uid("thief")) and "Permission denied" in out
+        assert "s3cret-token" not in out
+        assert "leaves /work" in call(p, "thief", "read_file", path="../victim/secret.txt")
+        fork_bomb = ("import os, time\nwhile True:\n    try:\n        os.fork()\n    except OSError as e:\n"
+                     "        print('fork refused:', e.strerror, flush=True)\n        time.sleep(5)\n")
+        assert "fork refused: Resource temporarily unavailable" in call(p, "thief", "python", code=fork_bomb)
+        assert call(p, "thief", "shell", cmd="(setsid sleep 100 &) ; echo started").endswith("started\n")
+        assert uid_processes(episode_uid("thief")) == []
+        out = call(p, "thief", "shell", cmd="for i in 1 2 3 4; do head -c 3000000 /dev/zero > f$i || echo FULL; done")
+        assert "No space left on device" in out
+        assert p.events == []

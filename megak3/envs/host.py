@@ -2,7 +2,8 @@
 
 ``host_isolation()`` runs a throw-away command under ``unshare --net --pid --mount --fork`` and tries
 to create a pids cgroup; ``describe()`` is the one line every worker prints at start-up. Nothing here
-is assumed: a capability is used only if the probe succeeded.
+is assumed: a capability is used only if the probe succeeded. ``MEGAK3_ENVS_NO_NAMESPACES=1`` skips
+the namespaces even where they work (the rlimits-only mode a host without them gets; tests use it).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class HostIsolation:
 
     def describe(self) -> str:
         ns = "namespaces net+pid+mount (no network, private mounts/pids, chroot)" if self.unshare else \
-             "NO namespaces (unshare failed: commands see the host filesystem and network)"
+             "NO namespaces (unshare unavailable or disabled: commands see the host filesystem and network)"
         cg = f"pids cgroup {self.pids_cgroup}" if self.pids_cgroup else \
              "no pids cgroup (process count: RLIMIT_NPROC of a per-episode uid)"
         disk = "per-episode tmpfs disk quota" if self.private_mounts else \
@@ -41,7 +42,7 @@ class HostIsolation:
 
 def _probe_unshare() -> Optional[str]:
     exe = shutil.which("unshare")
-    if exe is None or os.geteuid() != 0:
+    if exe is None or os.geteuid() != 0 or os.environ.get("MEGAK3_ENVS_NO_NAMESPACES") == "1":
         return None
     try:
         r = subprocess.run([exe, *UNSHARE_ARGS, "true"], capture_output=True, timeout=10)

@@ -1,7 +1,9 @@
 """The first process of one sandboxed tool command (stdlib only; run as a script, not imported).
 
-The worker starts it as ``unshare --net --pid --mount --fork --kill-child -- python -I -S jail.py SPEC``
-(or, where the host refuses namespaces, directly with ``"namespaces": false``). SPEC is a JSON object:
+The worker starts it as ``unshare --net --pid --mount --fork --kill-child -- python -I -S jail.py``
+(or, where the host refuses namespaces, directly with ``"namespaces": false``), with SPEC in the
+environment variable ``MEGAK3_JAIL_SPEC`` (not argv: ``/proc/1/cmdline`` is readable by the command,
+``/proc/1/environ`` of a root process is not). SPEC is a JSON object:
 ``root`` (an empty host directory to build the new root on), ``work`` (the episode's directory),
 ``uid``/``gid`` (the unprivileged ids the command runs as), ``cgroup`` (a pids cgroup directory or
 null), ``rlimits`` ({name: value}), ``argv``, ``env``, ``tmp_bytes``, ``namespaces``.
@@ -84,7 +86,7 @@ def drop_and_exec(spec):
 
 
 def main():
-    spec = json.loads(sys.argv[1])
+    spec = json.loads(os.environ.pop("MEGAK3_JAIL_SPEC"))
     try:
         if spec["cgroup"]:
             with open(os.path.join(spec["cgroup"], "cgroup.procs"), "w") as f:

@@ -202,13 +202,14 @@ class ProcessSandbox:
                         "RLIMIT_FSIZE": int(lim.file_bytes), "RLIMIT_NPROC": int(lim.max_procs),
                         "RLIMIT_NOFILE": int(lim.open_files), "RLIMIT_CORE": 0},
         }
-        cmd = [sys.executable, "-I", "-S", JAIL, json.dumps(spec)]
+        cmd = [sys.executable, "-I", "-S", JAIL]
         if ns:
             cmd = [self.iso.unshare, *UNSHARE_ARGS, "--", *cmd]
         t0 = time.monotonic()
         deadline = t0 + lim.wall_seconds
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=_pdeathsig, env={"PATH": SANDBOX_PATH})
+                                start_new_session=True, preexec_fn=_pdeathsig,
+                                env={"PATH": SANDBOX_PATH, "MEGAK3_JAIL_SPEC": json.dumps(spec)})
         buf, total, timed_out = bytearray(), 0, False
         fd = proc.stdout.fileno()
         try:
@@ -257,25 +258,29 @@ class ProcessSandbox:
             return None
 
     def _cleanup(self, cgroup: Optional[str], ns: bool):
+        """Without namespaces: SIGKILL the episode uid's processes until none is left (a fork bomb's
+        survivors fork while we scan). Then empty and remove the command's cgroup. At most 10 s."""
+        deadline = time.monotonic() + 10
         if not ns and self.iso.is_root:
-            _kill_uid(self.uid)
+            while _kill_uid(self.uid) and time.monotonic() < deadline:
+                time.sleep(0.01)
         if cgroup is None:
             return
-        for _ in range(200):
+        while time.monotonic() < deadline:
             try:
                 with open(os.path.join(cgroup, "cgroup.procs")) as f:
-                    pids = [int(p) for p in f.read().split()]
-                for p in pids:
-                    os.kill(p, signal.SIGKILL)
+                    for p in f.read().split():
+                        try:
+                            os.kill(int(p), signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
                 os.rmdir(cgroup)
                 return
-            except ProcessLookupError:
-                continue
             except OSError as e:
-                if e.errno not in (errno.EBUSY, errno.ENOENT):
-                    raise
                 if e.errno == errno.ENOENT:
                     return
+                if e.errno != errno.EBUSY:
+                    raise
                 time.sleep(0.005)
 
     # ---- path tools -----------------------------------------------------------------------------

@@ -89,6 +89,7 @@ def test_checkpoint_survives_a_pool_restart(tmp_path):
             a.reset(eid, LEDGER)
             a.step(eid, sh(f"echo {eid} > mine.txt"))
         a.step("q", ToolCall("list_dir", {"path": "data"}))
+        assert a.gc() > 0                                          # earlier snapshots go; the last ones stay
         ckpt = a.checkpoint()
         before = {eid: (a.digest(eid), a.state(eid)) for eid in ("p", "q")}
     assert set(ckpt["episodes"]) == {"p", "q"}

@@ -256,9 +256,8 @@ class EnvPool:
         snap_id = snap_id or self.last_snap.get(eid) or self.snapshot(eid)
         if new_eid in self.where:
             raise EnvError(f"episode {new_eid!r} already exists")
-        self.where[new_eid] = self._least_loaded()
-        self._raw(self.where[new_eid], {"op": "restore", "episode": new_eid, "snap": snap_id})
-        self.last_snap[new_eid] = snap_id
+        self.where[new_eid], self.last_snap[new_eid] = self._least_loaded(), snap_id
+        self._call(new_eid, {"op": "restore", "snap": snap_id})
 
     def state(self, eid: str) -> Dict:
         return self._call(eid, {"op": "digest"})["state"]
@@ -288,10 +287,15 @@ class EnvPool:
     def from_checkpoint(cls, ckpt: Dict, num_workers: int = 2, **kw) -> "EnvPool":
         pool = cls(num_workers, store_dir=ckpt["store"], **kw)
         for eid, snap in ckpt["episodes"].items():
-            pool.where[eid] = pool._least_loaded()
-            pool._raw(pool.where[eid], {"op": "restore", "episode": eid, "snap": snap})
-            pool.last_snap[eid] = snap
+            pool.where[eid], pool.last_snap[eid] = pool._least_loaded(), snap
+            pool._call(eid, {"op": "restore", "snap": snap})
         return pool
+
+    def gc(self, keep=()) -> int:
+        """Delete every snapshot but the live episodes' last ones and ``keep`` (and objects only they
+        used); returns bytes freed. Only for a store no other pool writes to at the same time."""
+        from megak3.envs.snapshot import SnapshotStore
+        return SnapshotStore(self.store_dir).gc(sorted(set(self.last_snap.values()) | set(keep)))
 
     def shutdown(self):
         for w in self.workers:

@@ -51,9 +51,9 @@ def uid_processes(uid):
 def assert_unharmed(pool, eid):
     assert pool.events == [] and pool.workers[0].pid == pool.pid0, "the worker restarted"
     assert uid_processes(episode_uid(eid)) == []
-    cg = host_isolation().pids_cgroup
-    if cg:
-        assert [d for d in os.listdir(cg) if d.startswith(f"{pool.pid0}-")] == []
+    for cg in (host_isolation().pids_cgroup, host_isolation().memory_cgroup):
+        if cg:
+            assert [d for d in os.listdir(cg) if d.startswith(f"{pool.pid0}-")] == []
     assert call(pool, eid, "shell", cmd="echo alive") == "[exit 0]\nalive\n"
 
 
@@ -114,6 +114,12 @@ def test_exhaustion_is_stopped_and_reported(pool, namespaces):
     assert "MemoryError" in call(pool, eid, "python", code="x = bytearray(1 << 30)")
     out = call(pool, eid, "python", code="x = bytearray(100 << 20); print(len(x))")
     assert out == f"[exit 0]\n{100 << 20}\n"                       # within the limit: fine
+    # 4 processes x 100 MB, each under RLIMIT_AS: the command's memory cgroup (256 MB) kills some
+    hogs = ("import os, time\nfor i in range(4):\n    if os.fork() == 0:\n        x = bytearray(100 << 20)\n"
+            "        time.sleep(1)\n        os._exit(0)\nprint(sorted(os.wait()[1] for i in range(4)))\n")
+    out = call(pool, eid, "python", code=hogs)
+    if host_isolation().memory_cgroup:
+        assert "memory limit 268435456 bytes reached" in out and "9]" in out    # SIGKILLed children
 
     out = call(pool, eid, "shell", cmd="head -c 6000000 /dev/zero > big")
     assert "file-size limit" in out

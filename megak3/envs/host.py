@@ -1,7 +1,7 @@
 """What containment this host allows, detected once per process by trying it.
 
 ``host_isolation()`` runs a throw-away command under ``unshare --net --pid --mount --fork`` and tries
-to create a pids cgroup; ``describe()`` is the one line every worker prints at start-up. Nothing here
+to create a pids cgroup and a memory cgroup (v1: below this process's own memory cgroup); ``describe()`` is the one line every worker prints at start-up. Nothing here
 is assumed: a capability is used only if the probe succeeded. ``MEGAK3_ENVS_NO_NAMESPACES=1`` skips
 the namespaces even where they work (the rlimits-only mode a host without them gets; tests use it).
 """
@@ -26,6 +26,7 @@ CGROUP_DIR = "megak3_envs"
 class HostIsolation:
     unshare: Optional[str]          # path of unshare(1) when net+pid+mount namespaces work
     pids_cgroup: Optional[str]      # parent directory for per-command pids cgroups
+    memory_cgroup: Optional[str]    # parent directory for per-command memory cgroups
     private_mounts: bool            # this process has its own mount namespace (per-episode tmpfs quotas)
     is_root: bool
 
@@ -34,10 +35,12 @@ class HostIsolation:
              "NO namespaces (unshare unavailable or disabled: commands see the host filesystem and network)"
         cg = f"pids cgroup {self.pids_cgroup}" if self.pids_cgroup else \
              "no pids cgroup (process count: RLIMIT_NPROC of a per-episode uid)"
+        mem = f"memory cgroup {self.memory_cgroup}" if self.memory_cgroup else \
+              "no memory cgroup (memory: RLIMIT_AS per process only)"
         disk = "per-episode tmpfs disk quota" if self.private_mounts else \
                "no tmpfs quota (disk use checked after each command)"
         who = "root -> per-episode uid" if self.is_root else "not root: commands keep this uid"
-        return f"megak3.envs isolation: {ns}; {cg}; {disk}; {who}"
+        return f"megak3.envs isolation: {ns}; {cg}; {mem}; {disk}; {who}"
 
 
 def _probe_unshare() -> Optional[str]:
@@ -51,14 +54,15 @@ def _probe_unshare() -> Optional[str]:
     return exe if r.returncode == 0 else None
 
 
-def _probe_pids_cgroup() -> Optional[str]:
-    for root in PIDS_CGROUP_ROOTS:
+def _probe_cgroup(roots, knob: str, value: str) -> Optional[str]:
+    """The first ``root/megak3_envs`` under which a child cgroup can be made and ``knob`` written."""
+    for root in roots:
         parent = os.path.join(root, CGROUP_DIR)
         probe = os.path.join(parent, f"probe-{os.getpid()}")
         try:
             os.makedirs(probe, exist_ok=True)
-            with open(os.path.join(probe, "pids.max"), "w") as f:
-                f.write("8")
+            with open(os.path.join(probe, knob), "w") as f:
+                f.write(value)
             return parent
         except OSError:
             continue
@@ -68,6 +72,18 @@ def _probe_pids_cgroup() -> Optional[str]:
             except OSError:
                 pass
     return None
+
+
+def _own_memory_cgroup() -> list:
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if "memory" in controllers.split(","):
+                    return [os.path.join("/sys/fs/cgroup/memory", path.lstrip("/"))]
+    except OSError:
+        pass
+    return []
 
 
 _private_mounts = False
@@ -90,5 +106,9 @@ def enter_private_mounts() -> bool:
 
 @lru_cache(maxsize=1)
 def host_isolation() -> HostIsolation:
-    return HostIsolation(unshare=_probe_unshare(), pids_cgroup=_probe_pids_cgroup() if os.geteuid() == 0 else None,
-                         private_mounts=_private_mounts, is_root=os.geteuid() == 0)
+    root = os.geteuid() == 0
+    return HostIsolation(unshare=_probe_unshare(),
+                         pids_cgroup=_probe_cgroup(PIDS_CGROUP_ROOTS, "pids.max", "8") if root else None,
+                         memory_cgroup=_probe_cgroup(_own_memory_cgroup(), "memory.limit_in_bytes", str(64 << 20))
+                         if root else None,
+                         private_mounts=_private_mounts, is_root=root)

@@ -5,8 +5,8 @@ The worker starts it as ``unshare --net --pid --mount --fork --kill-child -- pyt
 environment variable ``MEGAK3_JAIL_SPEC`` (not argv: ``/proc/1/cmdline`` is readable by the command,
 ``/proc/1/environ`` of a root process is not). SPEC is a JSON object:
 ``root`` (an empty host directory to build the new root on), ``work`` (the episode's directory),
-``uid``/``gid`` (the unprivileged ids the command runs as), ``cgroup`` (a pids cgroup directory or
-null), ``rlimits`` ({name: value}), ``argv``, ``env``, ``tmp_bytes``, ``namespaces``.
+``uid``/``gid`` (the unprivileged ids the command runs as), ``cgroups`` (cgroup directories to
+join: pids, memory), ``rlimits`` ({name: value}), ``argv``, ``env``, ``tmp_bytes``, ``namespaces``.
 
 With namespaces it is pid 1 of a fresh pid namespace in a private mount namespace with no network
 but a down loopback: it mounts a tmpfs as the new root, binds the system directories read-only and
@@ -87,8 +87,8 @@ def drop_and_exec(spec):
 def main():
     spec = json.loads(os.environ.pop("MEGAK3_JAIL_SPEC"))
     try:
-        if spec["cgroup"]:
-            with open(os.path.join(spec["cgroup"], "cgroup.procs"), "w") as f:
+        for cgroup in spec["cgroups"]:
+            with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
                 f.write("0")                           # this process; children inherit the cgroup
         if spec["namespaces"]:
             build_root(spec)

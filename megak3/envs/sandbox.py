@@ -3,7 +3,8 @@
 Every tool command (``run``) starts ``jail.py`` (see there) under ``unshare`` when the host allows
 namespaces: the command sees only the system directories (read-only), its episode directory at
 ``/work`` and a fresh ``/tmp``; it runs as the episode's own uid with no network and the rlimits of
-``SandboxLimits``; a pids cgroup caps its process count where one can be created. Nothing outlives
+``SandboxLimits``; a pids cgroup caps its process count and a memory cgroup the resident memory of
+all its processes together, where the host lets them be created. Nothing outlives
 a command: the pid namespace dies with it (without namespaces the worker kills what is left in the
 command's cgroup and every process of the episode's uid). Output is merged stdout+stderr,
 truncated to ``output_bytes``; the wall-clock limit kills the whole process group.
@@ -51,7 +52,7 @@ class SandboxLimits:
     """Per-command and per-episode limits (all checked by ``validate``)."""
     cpu_seconds: int = 10           # RLIMIT_CPU per process (SIGXCPU at the limit)
     wall_seconds: float = 20.0      # the whole command, then SIGKILL of its process group/namespace
-    memory_bytes: int = 512 << 20   # RLIMIT_AS per process
+    memory_bytes: int = 512 << 20   # RLIMIT_AS per process, and the memory cgroup limit of the whole command
     file_bytes: int = 16 << 20      # RLIMIT_FSIZE: largest file a command may write
     disk_bytes: int = 64 << 20      # the episode directory's tmpfs size (and each command's /tmp)
     max_files: int = 20000          # inodes of that tmpfs
@@ -85,9 +86,13 @@ class CommandResult:
     output_bytes: int               # bytes the command wrote in all (output keeps the first output_bytes)
     timed_out: bool
     seconds: float
+    oom_killed: bool = False        # the command's memory cgroup killed a process
+
 
     def observation(self, limits: SandboxLimits) -> str:
         notes = []
+        if self.oom_killed:
+            notes.append(f"memory limit {limits.memory_bytes} bytes reached: a process was killed")
         if self.timed_out:
             notes.append(f"killed: wall-clock limit {limits.wall_seconds:g} s")
         elif self.exit_code == 128 + signal.SIGXCPU or self.exit_code == 128 + signal.SIGKILL:
@@ -134,22 +139,23 @@ def _kill_uid(uid: int) -> int:
 
 def remove_stale_cgroups() -> int:
     """Remove the command cgroups of workers that no longer exist (killed mid-command); return how many."""
-    parent, removed = host_isolation().pids_cgroup, 0
-    if not parent:
-        return 0
-    for name in os.listdir(parent):
-        owner = name.split("-", 1)[0]
-        path = os.path.join(parent, name)
-        if not owner.isdigit() or not os.path.isdir(path) or os.path.exists(f"/proc/{owner}"):
+    iso, removed = host_isolation(), 0
+    for parent in (iso.pids_cgroup, iso.memory_cgroup):
+        if not parent:
             continue
-        try:
-            with open(os.path.join(path, "cgroup.procs")) as f:
-                for pid in f.read().split():
-                    os.kill(int(pid), signal.SIGKILL)
-            os.rmdir(path)
-            removed += 1
-        except OSError:
-            pass
+        for name in os.listdir(parent):
+            owner = name.split("-", 1)[0]
+            path = os.path.join(parent, name)
+            if not owner.isdigit() or not os.path.isdir(path) or os.path.exists(f"/proc/{owner}"):
+                continue
+            try:
+                with open(os.path.join(path, "cgroup.procs")) as f:
+                    for pid in f.read().split():
+                        os.kill(int(pid), signal.SIGKILL)
+                os.rmdir(path)
+                removed += 1
+            except OSError:
+                pass
     return removed
 
 
@@ -192,9 +198,9 @@ class ProcessSandbox:
 
     def run_command(self, argv: List[str]) -> CommandResult:
         lim, ns = self.limits, self.iso.unshare is not None
-        cgroup = self._make_cgroup()
+        cgroups = self._make_cgroups()
         spec = {
-            "root": self.jail_root, "work": self.workdir, "uid": self.uid, "gid": self.uid, "cgroup": cgroup,
+            "root": self.jail_root, "work": self.workdir, "uid": self.uid, "gid": self.uid, "cgroups": list(cgroups.values()),
             "namespaces": ns, "tmp_bytes": lim.disk_bytes, "argv": argv,
             "env": {"PATH": SANDBOX_PATH, "HOME": "/work" if ns else self.workdir, "LANG": "C.UTF-8",
                     "TMPDIR": "/tmp", "PYTHONDONTWRITEBYTECODE": "1"},
@@ -240,41 +246,63 @@ class ProcessSandbox:
                     pass
             proc.wait()
             proc.stdout.close()
-            self._cleanup(cgroup, ns)
+            oom = self._cleanup(cgroups, ns)
         code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
-        return CommandResult(code, buf.decode("utf-8", "replace"), total, timed_out, time.monotonic() - t0)
+        return CommandResult(code, buf.decode("utf-8", "replace"), total, timed_out, time.monotonic() - t0, oom)
 
-    def _make_cgroup(self) -> Optional[str]:
-        if not self.iso.pids_cgroup:
-            return None
+    def _make_cgroups(self) -> Dict[str, str]:
+        """This command's cgroups: {"pids": dir, "memory": dir}, each where the host allows it."""
         self.cgroup_seq += 1
-        path = os.path.join(self.iso.pids_cgroup, f"{os.getpid()}-{self.uid}-{self.cgroup_seq}")
-        try:
-            os.makedirs(path, exist_ok=True)
-            with open(os.path.join(path, "pids.max"), "w") as f:
-                f.write(str(self.limits.max_procs))
-            return path
-        except OSError:
-            return None
+        name = f"{os.getpid()}-{self.uid}-{self.cgroup_seq}"
+        out = {}
+        for kind, parent, knobs in (("pids", self.iso.pids_cgroup, [("pids.max", self.limits.max_procs)]),
+                                    ("memory", self.iso.memory_cgroup,
+                                     [("memory.limit_in_bytes", self.limits.memory_bytes),
+                                      ("memory.memsw.limit_in_bytes", self.limits.memory_bytes)])):
+            if not parent:
+                continue
+            path = os.path.join(parent, name)
+            try:
+                os.makedirs(path, exist_ok=True)
+                for knob, value in knobs:
+                    if os.path.exists(os.path.join(path, knob)):
+                        with open(os.path.join(path, knob), "w") as f:
+                            f.write(str(int(value)))
+                out[kind] = path
+            except OSError:
+                self._remove_cgroup(path, time.monotonic() + 1)
+        return out
 
-    def _cleanup(self, cgroup: Optional[str], ns: bool):
+    def _cleanup(self, cgroups: Dict[str, str], ns: bool) -> bool:
         """Without namespaces: SIGKILL the episode uid's processes until none is left (a fork bomb's
-        survivors fork while we scan). Then empty and remove the command's cgroup. At most 10 s."""
+        survivors fork while we scan). Then empty and remove the command's cgroups (at most 10 s).
+        Returns whether the memory cgroup's OOM killer fired."""
         deadline = time.monotonic() + 10
         if not ns and self.iso.is_root:
             while _kill_uid(self.uid) and time.monotonic() < deadline:
                 time.sleep(0.01)
-        if cgroup is None:
-            return
+        oom = False
+        if "memory" in cgroups:
+            try:
+                with open(os.path.join(cgroups["memory"], "memory.oom_control")) as f:
+                    oom = any(l.startswith("oom_kill ") and int(l.split()[1]) > 0 for l in f)
+            except (OSError, ValueError):
+                pass
+        for path in cgroups.values():
+            self._remove_cgroup(path, deadline)
+        return oom
+
+    @staticmethod
+    def _remove_cgroup(path: str, deadline: float):
         while time.monotonic() < deadline:
             try:
-                with open(os.path.join(cgroup, "cgroup.procs")) as f:
+                with open(os.path.join(path, "cgroup.procs")) as f:
                     for p in f.read().split():
                         try:
                             os.kill(int(p), signal.SIGKILL)
                         except ProcessLookupError:
                             pass
-                os.rmdir(cgroup)
+                os.rmdir(path)
                 return
             except OSError as e:
                 if e.errno == errno.ENOENT:

@@ -4,12 +4,14 @@ import csv
 import io
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
-from megak3.envs import EnvPool, ToolCall, make_task
+from megak3.envs import EnvError, EnvPool, ToolCall, make_task
 from megak3.envs.host import host_isolation
 from megak3.envs.tasks import FIXBUG
 
@@ -154,3 +156,24 @@ def test_tasks_are_deterministic_and_verifiable(pool):
     pool.step("short", sh("true"))
     r = pool.step("short", sh("true"))
     assert r.done and r.reward == 0.0 and "turn limit 2" in r.observation
+
+
+def test_bad_input_is_refused_before_work(pool, tmp_path):
+    with pytest.raises(ValueError, match=r"limits.cpu_seconds=0 must be a positive number"):
+        EnvPool(1, limits={"cpu_seconds": 0})
+    with pytest.raises(ValueError, match=r"limits.cpu_secs: no such field"):
+        EnvPool(1, limits={"cpu_secs": 1})
+    with pytest.raises(ValueError, match=r"backend='slurm' must be 'process' or 'ray'"):
+        EnvPool(1, backend="slurm")
+    r = subprocess.run([sys.executable, "-m", "megak3.envs.worker", "--store", str(tmp_path), "--base",
+                        str(tmp_path), "--limits", '{"wall_seconds": -1}'], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr == \
+        "megak3.envs.worker: error: --limits: limits.wall_seconds=-1 must be a positive number\n"
+    with pytest.raises(EnvError, match="task spec"):
+        pool.reset("bad", {"family": "ledger"})
+    with pytest.raises(EnvError, match="not in this pool"):
+        pool.step("bad", ToolCall("list_dir", {}))
+    pool.reset("ok", {"family": "ledger", "seed": 1})
+    with pytest.raises(EnvError, match="no snapshot"):
+        pool.restore("ok", "0" * 20)
+    assert pool.step("ok", ToolCall("shell", {"cmd": "echo fine"})).observation == "[exit 0]\nfine\n"

@@ -99,6 +99,11 @@ def main(argv=None):
     ap.add_argument("--limits", default="{}")
     ap.add_argument("--die-with-parent", action="store_true", help="SIGKILL when the parent thread ends")
     args = ap.parse_args(argv)
+    try:
+        limits = SandboxLimits.from_dict(json.loads(args.limits)).to_dict()
+    except ValueError as e:                                       # also bad JSON (JSONDecodeError)
+        print(f"megak3.envs.worker: error: --limits: {e}", file=sys.stderr)
+        sys.exit(2)
     if args.die_with_parent:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)    # PR_SET_PDEATHSIG
     enter_private_mounts()
@@ -106,11 +111,7 @@ def main(argv=None):
     print(host_isolation().describe(), file=sys.stderr, flush=True)
     proto_out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)                                                 # stray prints go to stderr, not the protocol
-    try:
-        server = WorkerServer(args.store, args.base, json.loads(args.limits))
-    except ValueError as e:
-        print(f"megak3.envs.worker: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    server = WorkerServer(args.store, args.base, limits)
     try:
         for line in sys.stdin:
             try:

@@ -1,6 +1,8 @@
 """Snapshots: restore gives back the exact tree and state; repeated snapshots are incremental."""
+import inspect
 import os
 import stat
+import sys
 
 import pytest
 
@@ -8,11 +10,14 @@ from megak3.envs.snapshot import SnapshotStore, TreeCache, tree_digest
 
 
 def listing(root):
-    """Independent reference: {rel path: (kind, mode, mtime_ns, bytes or link target)} via os.walk."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
+    """Independent reference: {rel path: (kind, mode, mtime_ns, bytes or link target)} via os.listdir."""
+    out, todo = {}, [root]
+    while todo:                                   # iterative: os.walk recurses (and the tree is deep)
+        dirpath = todo.pop()
+        for name in os.listdir(dirpath):
             p = os.path.join(dirpath, name)
+            if os.path.isdir(p) and not os.path.islink(p):
+                todo.append(p)
             st = os.lstat(p)
             rel = os.path.relpath(p, root)
             if stat.S_ISLNK(st.st_mode):
@@ -36,6 +41,8 @@ def make_tree(root):
     os.symlink("a/f1.txt", os.path.join(root, "link"))
     os.symlink("/nowhere", os.path.join(root, "dangling"))
     open(os.path.join(root, "empty"), "w").close()
+    with open(os.path.join(root, os.fsdecode(b"bin\xff\xfename")), "wb") as f:    # not UTF-8
+        f.write(b"\x00\x01")
 
 
 def mutate(root):
@@ -66,7 +73,7 @@ def test_snapshot_change_restore_is_identical(tmp_path):
     cache, state = TreeCache(), {"turn": 3, "task": {"family": "ledger", "seed": 1}}
     before = listing(root)
     snap, stats = store.snapshot(root, cache, state)
-    assert stats.files_hashed == 22 and stats.entries == len(before)
+    assert stats.files_hashed == 23 and stats.entries == len(before)
     mutate(root)
     assert listing(root) != before
     got_state, rstats = store.restore(snap, root, cache)
@@ -109,3 +116,26 @@ def test_snapshots_are_incremental(tmp_path):
     assert freed > 0 and store.restore(s1, root, cache)[0] == {"turn": 1}
     with pytest.raises(KeyError):
         store.manifest(s3)
+
+
+def test_deep_tree_needs_no_recursion(tmp_path):
+    """A model can make directories deeper than Python's recursion limit; snapshot/restore walk iteratively."""
+    root, store = str(tmp_path / "work"), SnapshotStore(str(tmp_path / "store"))
+    deep = root
+    os.mkdir(root)
+    for _ in range(300):
+        deep = os.path.join(deep, "d")
+        os.mkdir(deep)
+    with open(os.path.join(deep, "leaf"), "w") as f:
+        f.write("leaf")
+    before = listing(root)
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(inspect.stack()) + 100)   # far below the tree's depth
+    try:
+        snap, _ = store.snapshot(root, TreeCache(), {})
+        other = str(tmp_path / "other")
+        os.mkdir(other)
+        store.restore(snap, other, TreeCache())
+    finally:
+        sys.setrecursionlimit(old)
+    assert listing(other) == before

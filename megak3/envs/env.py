@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Union
 
-from megak3.envs.sandbox import ProcessSandbox, SandboxError, SandboxLimits
+from megak3.envs.sandbox import ProcessSandbox, SandboxError, SandboxLimits, remove_tree
 from megak3.envs.snapshot import SnapshotStats, SnapshotStore, TreeCache, tree_digest
 from megak3.envs.tasks import make_task
 from megak3.envs.toolcall import TOOLS, ToolCall, ToolCallError, parse_tool_call
@@ -84,7 +83,7 @@ class SandboxEnv(Environment):
             self.sandbox.destroy()
         workdir = os.path.join(self.base_dir, self.episode_id)
         if os.path.lexists(workdir):               # left by a killed worker on a shared base_dir
-            shutil.rmtree(workdir, ignore_errors=True)
+            remove_tree(workdir)
         self.sandbox = ProcessSandbox(workdir, episode_uid(self.episode_id), self.limits,
                                       scratch=os.path.join(self.base_dir, ".scratch"))
         self.cache = TreeCache()

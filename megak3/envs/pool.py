@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from megak3.envs.env import StepResult
-from megak3.envs.sandbox import SandboxLimits, _pdeathsig, remove_stale_cgroups
+from megak3.envs.sandbox import SandboxLimits, _pdeathsig, remove_stale_cgroups, remove_tree
 from megak3.envs.toolcall import ToolCall
 
 
@@ -305,7 +304,10 @@ class EnvPool:
                 pass
         self.workers = []
         if self.own_base:
-            shutil.rmtree(self.base_dir, ignore_errors=True)
+            try:
+                remove_tree(self.base_dir)
+            except OSError:
+                pass
 
     def __enter__(self):
         return self

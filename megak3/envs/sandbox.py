@@ -137,6 +137,28 @@ def _kill_uid(uid: int) -> int:
     return killed
 
 
+def remove_tree(path: str):
+    """Delete ``path`` and everything under it without recursion (a command can nest directories
+    deeper than Python's recursion limit, which ``shutil.rmtree`` hits); symlinks are not followed."""
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path) or os.path.islink(path):
+        os.unlink(path)
+        return
+    dirs, todo = [], [path]
+    while todo:
+        d = todo.pop()
+        dirs.append(d)
+        with os.scandir(d) as it:
+            for e in it:
+                if e.is_dir(follow_symlinks=False):
+                    todo.append(e.path)
+                else:
+                    os.unlink(e.path)
+    for d in reversed(dirs):
+        os.rmdir(d)
+
+
 def remove_stale_cgroups() -> int:
     """Remove the command cgroups of workers that no longer exist (killed mid-command); return how many."""
     iso, removed = host_isolation(), 0
@@ -424,13 +446,13 @@ class ProcessSandbox:
         return text
 
     def disk_usage(self) -> int:
-        total = 0
-        for dirpath, dirnames, filenames in os.walk(self.workdir):
-            for n in filenames + dirnames:
-                try:
-                    total += os.lstat(os.path.join(dirpath, n)).st_blocks * 512
-                except OSError:
-                    pass
+        total, todo = 0, [self.workdir]
+        while todo:                                    # iterative: os.walk recurses
+            with os.scandir(todo.pop()) as it:
+                for e in it:
+                    total += e.stat(follow_symlinks=False).st_blocks * 512
+                    if e.is_dir(follow_symlinks=False):
+                        todo.append(e.path)
         return total
 
     def destroy(self):
@@ -438,4 +460,4 @@ class ProcessSandbox:
         if self.quota_mount:
             ctypes.CDLL(None, use_errno=True).umount2(self.workdir.encode(), MNT_DETACH)
             self.quota_mount = False
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        remove_tree(self.workdir)

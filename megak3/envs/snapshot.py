@@ -47,16 +47,21 @@ def _key(st: os.stat_result) -> Tuple[int, int, int, int]:
     return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
-def _walk(root: str, rel: str = ""):
-    """(rel path, DirEntry, lstat) in sorted order, directories before their contents."""
-    with os.scandir(os.path.join(root, rel) if rel else root) as it:
-        entries = sorted(it, key=lambda e: e.name)
-    for e in entries:
-        path = f"{rel}/{e.name}" if rel else e.name
-        st = e.stat(follow_symlinks=False)
-        yield path, st
-        if stat.S_ISDIR(st.st_mode):
-            yield from _walk(root, path)
+def _walk(root: str):
+    """(rel path, lstat) in sorted pre-order, directories before their contents (no recursion limit)."""
+    stack = [""]
+    while stack:
+        rel = stack.pop()
+        with os.scandir(os.path.join(root, rel) if rel else root) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        subdirs = []
+        for e in entries:
+            path = f"{rel}/{e.name}" if rel else e.name
+            st = e.stat(follow_symlinks=False)
+            yield path, st
+            if stat.S_ISDIR(st.st_mode):
+                subdirs.append(path)
+        stack.extend(reversed(subdirs))
 
 
 class SnapshotStore:
@@ -158,7 +163,7 @@ class SnapshotStore:
                 "f" if stat.S_ISREG(st.st_mode) else "?"
             if w is None or w[1] != kind:
                 p = os.path.join(workdir, rel)
-                shutil.rmtree(p) if kind == "d" else os.unlink(p)
+                os.rmdir(p) if kind == "d" else os.unlink(p)   # deepest first: a directory is empty by now
                 have.pop(rel)
         # 2. create directories, files, symlinks in manifest order (parents first)
         new_cache = {}
@@ -229,10 +234,10 @@ def tree_digest(workdir: str, mtimes: bool = True) -> str:
     for rel, st in _walk(workdir):
         p = os.path.join(workdir, rel)
         mtime = st.st_mtime_ns if mtimes else 0
-        h.update(f"{rel}\0{stat.S_IFMT(st.st_mode)}\0{stat.S_IMODE(st.st_mode)}\0{mtime}\0".encode())
+        h.update(os.fsencode(rel) + f"\0{stat.S_IFMT(st.st_mode)}\0{stat.S_IMODE(st.st_mode)}\0{mtime}\0".encode())
         if stat.S_ISREG(st.st_mode):
             with open(p, "rb") as f:
                 h.update(hashlib.sha256(f.read()).digest())
         elif stat.S_ISLNK(st.st_mode):
-            h.update(os.readlink(p).encode())
+            h.update(os.fsencode(os.readlink(p)))
     return h.hexdigest()

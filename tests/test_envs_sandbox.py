@@ -168,7 +168,10 @@ def test_malformed_calls_keep_the_worker(pool):
     eid = "junk"
     pool.reset(eid, TASK)
     for text in ("no call", "<tool_call>{</tool_call>", '<tool_call>{"name": "nope"}</tool_call>',
-                 '<tool_call>{"name": "read_file", "arguments": {"path": "missing.txt"}}</tool_call>'):
+                 '<tool_call>{"name": "read_file", "arguments": {"path": "missing.txt"}}</tool_call>',
+                 '<tool_call>{"name": "shell", "arguments": {"cmd": "echo \\u0000"}}</tool_call>',
+                 '<tool_call>{"name": "write_file", "arguments": {"path": "a", "content": "\\udcff"}}</tool_call>',
+                 '<tool_call>{"name": "read_file", "arguments": {"path": "README.txt/x"}}</tool_call>'):
         r = pool.step(eid, text)
         assert r.observation.startswith("error: ") and not r.done
     assert pool.events == []

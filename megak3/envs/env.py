@@ -120,6 +120,8 @@ class SandboxEnv(Environment):
                 obs = self._call_tool(call)
             except SandboxError as e:
                 obs, info["error"] = f"error: {e}", "refused"
+            except (OSError, ValueError) as e:        # e.g. a NUL byte in a command, unencodable text
+                obs, info["error"] = f"error: {type(e).__name__}: {e}", "failed"
         if not st["done"] and st["turn"] >= self.task.max_turns:
             st["done"] = True
             obs += f"\n[turn limit {self.task.max_turns} reached; episode over]"

@@ -210,6 +210,8 @@ class ProcessSandbox:
         return self.run([self.python, "-c", code])
 
     def run(self, argv: List[str]) -> str:
+        if any("\0" in a for a in argv):
+            raise SandboxError("a command may not contain NUL bytes")
         res = self.run_command(argv)
         text = res.observation(self.limits)
         if not self.quota_mount:

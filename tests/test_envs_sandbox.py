@@ -28,7 +28,7 @@ def pool():
 
 @pytest.fixture(scope="module")
 def namespaces(pool):
-    if "namespaces net+pid+mount" not in pool.isolation:
+    if "namespaces net+pid+mount+ipc+uts" not in pool.isolation:
         pytest.skip(f"host refuses namespaces: {pool.isolation}")
 
 

@@ -1,9 +1,10 @@
 """What containment this host allows, detected once per process by trying it.
 
-``host_isolation()`` runs a throw-away command under ``unshare --net --pid --mount --fork`` and tries
-to create a pids cgroup and a memory cgroup (v1: below this process's own memory cgroup); ``describe()`` is the one line every worker prints at start-up. Nothing here
-is assumed: a capability is used only if the probe succeeded. ``MEGAK3_ENVS_NO_NAMESPACES=1`` skips
-the namespaces even where they work (the rlimits-only mode a host without them gets; tests use it).
+``host_isolation()`` runs a throw-away command under ``unshare --net --pid --mount --ipc --uts`` and
+tries to create a pids cgroup and a memory cgroup (v1: below this process's own memory cgroup);
+``describe()`` is the one line every worker prints at start-up. Nothing here is assumed: a
+capability is used only if its probe succeeded. ``MEGAK3_ENVS_NO_NAMESPACES=1`` skips the namespaces
+even where they work (the mode a host without them gets; tests use it).
 """
 from __future__ import annotations
 
@@ -17,21 +18,21 @@ from typing import Optional
 
 CLONE_NEWNS = 0x00020000
 MS_REC, MS_PRIVATE = 16384, 1 << 18
-UNSHARE_ARGS = ("--net", "--pid", "--mount", "--fork", "--kill-child")
+UNSHARE_ARGS = ("--net", "--pid", "--mount", "--ipc", "--uts", "--fork", "--kill-child")
 PIDS_CGROUP_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")   # cgroup v1, then v2
 CGROUP_DIR = "megak3_envs"
 
 
 @dataclass(frozen=True)
 class HostIsolation:
-    unshare: Optional[str]          # path of unshare(1) when net+pid+mount namespaces work
+    unshare: Optional[str]          # path of unshare(1) when net+pid+mount+ipc+uts namespaces work
     pids_cgroup: Optional[str]      # parent directory for per-command pids cgroups
     memory_cgroup: Optional[str]    # parent directory for per-command memory cgroups
     private_mounts: bool            # this process has its own mount namespace (per-episode tmpfs quotas)
     is_root: bool
 
     def describe(self) -> str:
-        ns = "namespaces net+pid+mount (no network, private mounts/pids, chroot)" if self.unshare else \
+        ns = "namespaces net+pid+mount+ipc+uts (no network, private mounts/pids/IPC, chroot)" if self.unshare else \
              "NO namespaces (unshare unavailable or disabled: commands see the host filesystem and network)"
         cg = f"pids cgroup {self.pids_cgroup}" if self.pids_cgroup else \
              "no pids cgroup (process count: RLIMIT_NPROC of a per-episode uid)"

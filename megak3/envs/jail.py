@@ -1,6 +1,6 @@
 """The first process of one sandboxed tool command (stdlib only; run as a script, not imported).
 
-The worker starts it as ``unshare --net --pid --mount --fork --kill-child -- python -I -S jail.py``
+The worker starts it as ``unshare --net --pid --mount --ipc --uts --fork --kill-child -- python -I -S jail.py``
 (or, where the host refuses namespaces, directly with ``"namespaces": false``), with SPEC in the
 environment variable ``MEGAK3_JAIL_SPEC`` (not argv: ``/proc/1/cmdline`` is readable by the command,
 ``/proc/1/environ`` of a root process is not). SPEC is a JSON object:

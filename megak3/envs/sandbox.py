@@ -224,7 +224,8 @@ class ProcessSandbox:
         lim, ns = self.limits, self.iso.unshare is not None
         cgroups = self._make_cgroups()
         spec = {
-            "root": self.jail_root, "work": self.workdir, "uid": self.uid, "gid": self.uid, "cgroups": list(cgroups.values()),
+            "root": self.jail_root, "work": self.workdir, "uid": self.uid, "gid": self.uid,
+            "cgroups": list(cgroups.values()),
             "namespaces": ns, "tmp_bytes": lim.disk_bytes, "argv": argv,
             "env": {"PATH": SANDBOX_PATH, "HOME": "/work" if ns else self.workdir, "LANG": "C.UTF-8",
                     "TMPDIR": "/tmp", "PYTHONDONTWRITEBYTECODE": "1"},

@@ -112,8 +112,9 @@ def make_task(spec) -> Task:
     if isinstance(spec, Task):
         return spec
     turns = spec.get("max_turns") if isinstance(spec, dict) else None
+    ok_turns = turns is None or isinstance(turns, int) and turns > 0
     if not isinstance(spec, dict) or spec.get("family") not in FAMILIES or not isinstance(spec.get("seed"), int) \
-            or set(spec) - {"family", "seed", "max_turns"} or not (turns is None or isinstance(turns, int) and turns > 0):
+            or set(spec) - {"family", "seed", "max_turns"} or not ok_turns:
         raise ValueError(f"task spec {spec!r} must be {{'family': one of {sorted(FAMILIES)}, 'seed': int"
                          f"[, 'max_turns': positive int]}}")
     task = FAMILIES[spec["family"]](spec["seed"])

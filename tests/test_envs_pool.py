@@ -177,3 +177,16 @@ def test_bad_input_is_refused_before_work(pool, tmp_path):
     with pytest.raises(EnvError, match="no snapshot"):
         pool.restore("ok", "0" * 20)
     assert pool.step("ok", ToolCall("shell", {"cmd": "echo fine"})).observation == "[exit 0]\nfine\n"
+
+
+def test_sandbox_uids_are_unique_on_the_host():
+    """Two live sandboxes never share a uid, even when their ids hash alike; a closed claim comes free."""
+    from megak3.envs.env import claim_uid
+    u1, fd1 = claim_uid("same-id")
+    u2, fd2 = claim_uid("same-id")
+    assert u1 != u2 and min(u1, u2) >= 100000
+    os.close(fd1)
+    u3, fd3 = claim_uid("same-id")
+    assert u3 == u1
+    os.close(fd2)
+    os.close(fd3)

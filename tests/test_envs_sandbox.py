@@ -11,7 +11,6 @@ import socket
 import pytest
 
 from megak3.envs import EnvPool, ToolCall
-from megak3.envs.env import episode_uid
 from megak3.envs.host import host_isolation
 
 LIMITS = {"cpu_seconds": 1, "wall_seconds": 3, "memory_bytes": 256 << 20, "file_bytes": 4 << 20,
@@ -50,7 +49,7 @@ def uid_processes(uid):
 
 def assert_unharmed(pool, eid):
     assert pool.events == [] and pool.workers[0].pid == pool.pid0, "the worker restarted"
-    assert uid_processes(episode_uid(eid)) == []
+    assert uid_processes(pool.uid(eid)) == []
     for cg in (host_isolation().pids_cgroup, host_isolation().memory_cgroup):
         if cg:
             assert [d for d in os.listdir(cg) if d.startswith(f"{pool.pid0}-")] == []
@@ -144,7 +143,7 @@ def test_cpu_limit(namespaces):
         p.reset("spin", TASK)
         out = call(p, "spin", "python", code="while True: pass")
         assert out.startswith("[exit 152; killed by signal 24 (CPU-time limit 1 s")   # SIGXCPU
-        assert uid_processes(episode_uid("spin")) == []
+        assert uid_processes(p.uid("spin")) == []
 
 
 def test_no_network(pool, namespaces):
@@ -188,14 +187,14 @@ def test_rlimits_only_mode(monkeypatch):
         call(p, "victim", "write_file", path="secret.txt", content="s3cret-token")
         victim_dir = os.path.join(p.base_dir, "w1", "victim")
         out = call(p, "thief", "shell", cmd=f"id -u; cat {victim_dir}/secret.txt; ls {victim_dir}")
-        assert out.split("\n")[1] == str(episode_uid("thief")) and "Permission denied" in out
+        assert out.split("\n")[1] == str(p.uid("thief")) and "Permission denied" in out
         assert "s3cret-token" not in out
         assert "leaves /work" in call(p, "thief", "read_file", path="../victim/secret.txt")
         fork_bomb = ("import os, time\nwhile True:\n    try:\n        os.fork()\n    except OSError as e:\n"
                      "        print('fork refused:', e.strerror, flush=True)\n        time.sleep(5)\n")
         assert "fork refused: Resource temporarily unavailable" in call(p, "thief", "python", code=fork_bomb)
         assert call(p, "thief", "shell", cmd="(setsid sleep 100 &) ; echo started").endswith("started\n")
-        assert uid_processes(episode_uid("thief")) == []
+        assert uid_processes(p.uid("thief")) == []
         out = call(p, "thief", "shell", cmd="for i in 1 2 3 4; do head -c 3000000 /dev/zero > f$i || echo FULL; done")
         assert "No space left on device" in out
         assert p.events == []

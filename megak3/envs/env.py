@@ -10,11 +10,13 @@ command is the next observation (it uses a turn), never an exception out of ``st
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
+import tempfile
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 from megak3.envs.sandbox import ProcessSandbox, SandboxError, SandboxLimits, remove_tree
 from megak3.envs.snapshot import SnapshotStats, SnapshotStore, TreeCache, tree_digest
@@ -52,9 +54,35 @@ class Environment(ABC):
     def close(self) -> None: ...
 
 
-def episode_uid(episode_id: str) -> int:
-    """The unprivileged uid an episode's commands run as (stable across workers and restarts)."""
-    return UID_BASE + int(hashlib.sha256(episode_id.encode()).hexdigest()[:12], 16) % UID_SPAN
+def uid_lock_dir() -> str:
+    """Host-wide directory of uid claims (``/run/megak3-envs-uids``, else under the temp directory)."""
+    for d in ("/run/megak3-envs-uids", os.path.join(tempfile.gettempdir(), "megak3-envs-uids")):
+        try:
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            return d
+        except OSError:
+            continue
+    raise OSError("no writable directory for uid claims")
+
+
+def claim_uid(episode_id: str) -> Tuple[int, int]:
+    """An unprivileged uid no other live sandbox on this host holds: (uid, fd of its claim).
+
+    The claim is an exclusive ``flock`` on ``uid_lock_dir()/<uid>``, held while the fd is open; the
+    kernel drops it when the holder exits, even on SIGKILL, so a dead worker's uids come free by
+    themselves. The search starts at a hash of the episode id, so an episode usually gets the same uid.
+    """
+    d = uid_lock_dir()
+    start = int(hashlib.sha256(episode_id.encode()).hexdigest()[:12], 16)
+    for k in range(UID_SPAN):
+        uid = UID_BASE + (start + k) % UID_SPAN
+        fd = os.open(os.path.join(d, str(uid)), os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return uid, fd
+        except BlockingIOError:
+            os.close(fd)
+    raise OSError(f"all {UID_SPAN} sandbox uids are in use")
 
 
 def tool_help() -> str:
@@ -72,6 +100,7 @@ class SandboxEnv(Environment):
         self.episode_id, self.store, self.base_dir = episode_id, store, base_dir
         self.limits = (limits or SandboxLimits()).validate()
         self.sandbox: Optional[ProcessSandbox] = None
+        self.uid_claim: Optional[Tuple[int, int]] = None     # (uid, fd holding its flock)
         self.cache = TreeCache()
         self.task = None
         self.state: Dict[str, Any] = {}
@@ -84,7 +113,9 @@ class SandboxEnv(Environment):
         workdir = os.path.join(self.base_dir, self.episode_id)
         if os.path.lexists(workdir):               # left by a killed worker on a shared base_dir
             remove_tree(workdir)
-        self.sandbox = ProcessSandbox(workdir, episode_uid(self.episode_id), self.limits,
+        if self.uid_claim is None:
+            self.uid_claim = claim_uid(self.episode_id)
+        self.sandbox = ProcessSandbox(workdir, self.uid_claim[0], self.limits,
                                       scratch=os.path.join(self.base_dir, ".scratch"))
         self.cache = TreeCache()
         return self.sandbox
@@ -170,3 +201,6 @@ class SandboxEnv(Environment):
         if self.sandbox is not None:
             self.sandbox.destroy()
             self.sandbox = None
+        if self.uid_claim is not None:
+            os.close(self.uid_claim[1])
+            self.uid_claim = None

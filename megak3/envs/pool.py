@@ -265,6 +265,10 @@ class EnvPool:
         """sha256 of the episode's tree (``snapshot.tree_digest``)."""
         return self._call(eid, {"op": "digest", "mtimes": mtimes})["digest"]
 
+    def uid(self, eid: str) -> int:
+        """The uid the episode's commands run as (unique among live sandboxes on its host)."""
+        return self._call(eid, {"op": "digest", "mtimes": False})["uid"]
+
     def close(self, eid: str) -> None:
         if eid in self.where:
             try:

@@ -77,7 +77,7 @@ class WorkerServer:
             return {}
         elif op == "digest":
             env = self.env(eid)
-            return {"digest": env.digest(req.get("mtimes", True)), "state": env.state}
+            return {"digest": env.digest(req.get("mtimes", True)), "state": env.state, "uid": env.sandbox.uid}
         else:
             raise ValueError(f"unknown op {op!r}")
         if req.get("snapshot") or op == "snapshot":

@@ -88,7 +88,8 @@ def claim_uid(episode_id: str) -> Tuple[int, int]:
 def tool_help() -> str:
     names = ", ".join(f"{n}({', '.join(list(req) + list(opt))})" for n, (req, opt) in TOOLS.items())
     return (f'Call one tool per turn as <tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>. '
-            f"Tools: {names}. Files live in /work.")
+            f"Tools: {names}. Files live in /work and only /work is kept between calls; /tmp is fresh each "
+            f"call, no process outlives its call, and there is no network.")
 
 
 class SandboxEnv(Environment):

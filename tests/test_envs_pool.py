@@ -190,3 +190,41 @@ def test_sandbox_uids_are_unique_on_the_host():
     assert u3 == u1
     os.close(fd2)
     os.close(fd3)
+
+
+def ledger_policy(transcripts):
+    """A scripted agent: list the data, sum it with a script, submit what the script printed."""
+    out = {}
+    for eid, ts in transcripts.items():
+        turn = sum(1 for role, _ in ts if role == "model")
+        item = ts[0][1].split("item '")[1].split("'")[0]
+        if turn == 0:
+            out[eid] = ToolCall("list_dir", {"path": "data"}).to_text()
+        elif turn == 1:
+            out[eid] = "Summing with a script. " + ToolCall("python", {"code": SUM_CSVS.format(item=item)}).to_text()
+        else:
+            out[eid] = ToolCall("submit", {"answer": ts[-1][1].split("\n")[1]}).to_text()
+    return out
+
+
+def test_partial_rollouts_pause_and_resume_across_a_restart(tmp_path):
+    import json
+
+    from megak3.envs.driver import EpisodeDriver
+    tasks = {f"r{s}": {"family": "ledger", "seed": s} for s in range(3)}
+    with EnvPool(2, store_dir=str(tmp_path / "store")) as pool:
+        drv = EpisodeDriver(pool)
+        for eid, t in tasks.items():
+            drv.start(eid, t)
+        assert drv.run(ledger_policy, max_turns=2) == {}                    # iteration 1: all paused
+        assert drv.unfinished() == sorted(tasks)
+        sd = json.loads(json.dumps(drv.state_dict()))                       # what the RL checkpoint holds
+        before = {e: (pool.digest(e), pool.state(e)) for e in tasks}
+    drv2 = EpisodeDriver.from_state_dict(sd, num_workers=1)                 # iteration 2, after a restart
+    with drv2.pool:
+        assert {e: (drv2.pool.digest(e), drv2.pool.state(e)) for e in tasks} == before
+        done = drv2.run(ledger_policy, max_turns=5)
+        assert sorted(done) == sorted(tasks) and all(r.reward == 1.0 for r in done.values())
+        for eid, t in tasks.items():
+            assert drv2.transcripts[eid][-2][1] == ToolCall("submit", {"answer": make_task(t).answer}).to_text()
+            assert len(drv2.transcripts[eid]) == 7                          # prompt + 3 x (model, env)

@@ -40,6 +40,7 @@ RUNTIME = [
     "nvidia-ml-py>=12",          # GPU telemetry; skipped with one notice when NVML is absent
 ]
 DEEPSPEED = "deepspeed==0.19.8"
+RAY = "ray>=2.50,<3"
 EXTRAS = {
     # GPU-only accelerators; every path they serve has a pure-torch twin used on CPU.
     # NVIDIA apex is not on PyPI (PyPI's "apex" is unrelated) and is only imported if the user built it.
@@ -50,10 +51,12 @@ EXTRAS = {
     # optim.offload=cpu's DeepSpeed CPU Adam kernel (JIT-built on first use; the torch twin serves
     # without it). Tested version; an sdist: install with --no-build-isolation so it sees the torch pin.
     "offload": [DEEPSPEED],
+    # megak3/envs' worker pool on Ray (EnvPool(backend="ray")); 2.60.0 is the tested version
+    "ray": [RAY],
     # torchao: an independent MX reference in tests (tests skip it when absent); deepspeed: the
-    # offload kernel the tests compare with its torch twin
+    # offload kernel the tests compare with its torch twin; ray: tests/test_envs_ray.py
     "dev": ["pytest>=7.4", "pytest-xdist>=3.3", "pytest-timeout>=2.1", "matplotlib>=3.7", "ninja>=1.11",
-            "torchao>=0.10", DEEPSPEED],
+            "torchao>=0.10", DEEPSPEED, RAY],
 }
 
 setup(

@@ -1,0 +1,207 @@
+"""The environment interface the rollout loop calls, and its sandbox implementation.
+
+``Environment``: ``reset(task) -> observation``; ``step(text or ToolCall) -> StepResult(observation,
+done, reward, info)``; ``snapshot() -> id``; ``restore(id)``; ``fork(id, episode_id) -> Environment``;
+``close()``. ``SandboxEnv`` runs each episode in a ``ProcessSandbox`` and snapshots it into a shared
+``SnapshotStore``. Episode state (task spec, turn, done, reward) is a small JSON dict stored inside
+every snapshot, so a snapshot id alone brings an episode back, on any worker that sees the store.
+Model text is read with ``toolcall.parse_tool_call``; a malformed call, a refused path or a failed
+command is the next observation (it uses a turn), never an exception out of ``step``.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import tempfile
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple, Union
+
+from megak3.envs.sandbox import ProcessSandbox, SandboxError, SandboxLimits, remove_tree
+from megak3.envs.snapshot import SnapshotStats, SnapshotStore, TreeCache, tree_digest
+from megak3.envs.tasks import make_task
+from megak3.envs.toolcall import TOOLS, ToolCall, ToolCallError, parse_tool_call
+
+UID_BASE, UID_SPAN = 100000, 800000
+
+
+@dataclass
+class StepResult:
+    observation: str
+    done: bool
+    reward: float
+    info: Dict[str, Any] = field(default_factory=dict)
+
+
+class Environment(ABC):
+    @abstractmethod
+    def reset(self, task) -> str: ...
+
+    @abstractmethod
+    def step(self, action: Union[str, ToolCall]) -> StepResult: ...
+
+    @abstractmethod
+    def snapshot(self) -> str: ...
+
+    @abstractmethod
+    def restore(self, snap_id: str) -> None: ...
+
+    @abstractmethod
+    def fork(self, snap_id: Optional[str], episode_id: str) -> "Environment": ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+def uid_lock_dir() -> str:
+    """Host-wide directory of uid claims (``/run/megak3-envs-uids``, else under the temp directory)."""
+    for d in ("/run/megak3-envs-uids", os.path.join(tempfile.gettempdir(), "megak3-envs-uids")):
+        try:
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            return d
+        except OSError:
+            continue
+    raise OSError("no writable directory for uid claims")
+
+
+def claim_uid(episode_id: str) -> Tuple[int, int]:
+    """An unprivileged uid no other live sandbox on this host holds: (uid, fd of its claim).
+
+    The claim is an exclusive ``flock`` on ``uid_lock_dir()/<uid>``, held while the fd is open; the
+    kernel drops it when the holder exits, even on SIGKILL, so a dead worker's uids come free by
+    themselves. The search starts at a hash of the episode id, so an episode usually gets the same uid.
+    """
+    d = uid_lock_dir()
+    start = int(hashlib.sha256(episode_id.encode()).hexdigest()[:12], 16)
+    for k in range(UID_SPAN):
+        uid = UID_BASE + (start + k) % UID_SPAN
+        fd = os.open(os.path.join(d, str(uid)), os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return uid, fd
+        except BlockingIOError:
+            os.close(fd)
+    raise OSError(f"all {UID_SPAN} sandbox uids are in use")
+
+
+def tool_help() -> str:
+    names = ", ".join(f"{n}({', '.join(list(req) + list(opt))})" for n, (req, opt) in TOOLS.items())
+    return (f'Call one tool per turn as <tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>. '
+            f"Tools: {names}. Files live in /work and only /work is kept between calls; /tmp is fresh each "
+            f"call, no process outlives its call, and there is no network.")
+
+
+class SandboxEnv(Environment):
+    """One episode in a process sandbox under ``base_dir/<episode_id>``."""
+
+    def __init__(self, episode_id: str, store: SnapshotStore, base_dir: str, limits: Optional[SandboxLimits] = None):
+        if not episode_id or "/" in episode_id or episode_id.startswith("."):
+            raise ValueError(f"episode_id={episode_id!r} must be a non-empty name without '/'")
+        self.episode_id, self.store, self.base_dir = episode_id, store, base_dir
+        self.limits = (limits or SandboxLimits()).validate()
+        self.sandbox: Optional[ProcessSandbox] = None
+        self.uid_claim: Optional[Tuple[int, int]] = None     # (uid, fd holding its flock)
+        self.cache = TreeCache()
+        self.task = None
+        self.state: Dict[str, Any] = {}
+        self.last_stats: Optional[SnapshotStats] = None
+
+    # ---- sandbox lifetime -----------------------------------------------------------------------
+    def _fresh_sandbox(self) -> ProcessSandbox:
+        if self.sandbox is not None:
+            self.sandbox.destroy()
+        workdir = os.path.join(self.base_dir, self.episode_id)
+        if os.path.lexists(workdir):               # left by a killed worker on a shared base_dir
+            remove_tree(workdir)
+        if self.uid_claim is None:
+            self.uid_claim = claim_uid(self.episode_id)
+        self.sandbox = ProcessSandbox(workdir, self.uid_claim[0], self.limits,
+                                      scratch=os.path.join(self.base_dir, ".scratch"))
+        self.cache = TreeCache()
+        return self.sandbox
+
+    # ---- interface ------------------------------------------------------------------------------
+    def reset(self, task) -> str:
+        self.task = make_task(task)
+        sb = self._fresh_sandbox()
+        for path, content in sorted(self.task.files.items()):
+            sb.write_file(path, content)
+        self.state = {"episode_id": self.episode_id, "task": self.task.spec, "turn": 0, "done": False,
+                      "reward": 0.0}
+        return f"{self.task.prompt}\n{tool_help()}"
+
+    def step(self, action) -> StepResult:
+        if self.sandbox is None or self.task is None:
+            return StepResult("error: no episode; call reset first", True, 0.0, {"error": "no episode"})
+        st = self.state
+        if st["done"]:
+            return StepResult("error: the episode is over", True, st["reward"], {"error": "done"})
+        st["turn"] += 1
+        call = parse_tool_call(action)
+        info: Dict[str, Any] = {"turn": st["turn"]}
+        if isinstance(call, ToolCallError):
+            obs, info["error"] = f"error: {call.message}", "malformed"
+        elif call.name == "submit":
+            st["reward"] = float(self.task.score(call.arguments["answer"], self.sandbox))
+            st["done"] = True
+            obs = f"submitted; reward {st['reward']:g}"
+        else:
+            info["tool"] = call.name
+            try:
+                obs = self._call_tool(call)
+            except SandboxError as e:
+                obs, info["error"] = f"error: {e}", "refused"
+            except (OSError, ValueError) as e:        # e.g. a NUL byte in a command, unencodable text
+                obs, info["error"] = f"error: {type(e).__name__}: {e}", "failed"
+        if not st["done"] and st["turn"] >= self.task.max_turns:
+            st["done"] = True
+            obs += f"\n[turn limit {self.task.max_turns} reached; episode over]"
+        return StepResult(obs, st["done"], st["reward"], info)
+
+    def _call_tool(self, call: ToolCall) -> str:
+        sb, a = self.sandbox, call.arguments
+        if call.name == "shell":
+            return sb.shell(a["cmd"])
+        if call.name == "python":
+            return sb.python_code(a["code"])
+        if call.name == "read_file":
+            return sb.read_file(a["path"])
+        if call.name == "write_file":
+            return sb.write_file(a["path"], a["content"])
+        if call.name == "list_dir":
+            return sb.list_dir(a["path"])
+        raise SandboxError(f"tool {call.name!r} is not served by this environment")
+
+    def snapshot(self) -> str:
+        if self.sandbox is None:
+            raise RuntimeError(f"episode {self.episode_id}: nothing to snapshot before reset")
+        snap_id, self.last_stats = self.store.snapshot(self.sandbox.workdir, self.cache, dict(self.state))
+        return snap_id
+
+    def restore(self, snap_id: str) -> None:
+        self.store.manifest(snap_id)                   # unknown id: KeyError before touching the tree
+        if self.sandbox is None:
+            self._fresh_sandbox()
+        state, self.last_stats = self.store.restore(snap_id, self.sandbox.workdir, self.cache, self.sandbox.uid)
+        self.state = {**state, "episode_id": self.episode_id}
+        self.task = make_task(state["task"])
+
+    def fork(self, snap_id: Optional[str], episode_id: str) -> "SandboxEnv":
+        """A new, independent episode ``episode_id`` starting from ``snap_id`` (default: a fresh snapshot)."""
+        snap_id = snap_id or self.snapshot()
+        other = SandboxEnv(episode_id, self.store, self.base_dir, self.limits)
+        other.restore(snap_id)
+        return other
+
+    def digest(self, mtimes: bool = True) -> str:
+        """sha256 of the tree (paths, kinds, modes, mtimes unless ``mtimes=False``, bytes) — for checks."""
+        return tree_digest(self.sandbox.workdir, mtimes)
+
+    def close(self) -> None:
+        if self.sandbox is not None:
+            self.sandbox.destroy()
+            self.sandbox = None
+        if self.uid_claim is not None:
+            os.close(self.uid_claim[1])
+            self.uid_claim = None

@@ -1,0 +1,466 @@
+"""A process sandbox for one episode: its own directory, limited subprocesses, confined path tools.
+
+Every tool command (``run``) starts ``jail.py`` (see there) under ``unshare`` when the host allows
+namespaces: the command sees only the system directories (read-only), its episode directory at
+``/work`` and a fresh ``/tmp``; it runs as the episode's own uid with no network and the rlimits of
+``SandboxLimits``; a pids cgroup caps its process count and a memory cgroup the resident memory of
+all its processes together, where the host lets them be created. Nothing outlives
+a command: the pid namespace dies with it (without namespaces the worker kills what is left in the
+command's cgroup and every process of the episode's uid). Output is merged stdout+stderr,
+truncated to ``output_bytes``; the wall-clock limit kills the whole process group.
+
+The path tools (``read_file``, ``write_file``, ``list_dir``) run in the worker itself, between
+commands, when no process of the episode is alive, so resolving then opening is race-free. Paths
+are ``/work/...`` or relative; ``..`` above ``/work``, other absolute paths and symlinks leading
+outside are refused; symlinks are resolved by hand inside the episode root (an absolute target
+means the sandbox's ``/work``); ``write_file`` replaces the file by rename, so it never writes
+through a hard link into another inode. In the worker's private mount namespace (see
+``host.enter_private_mounts``) the episode directory is its own tmpfs: a hard disk quota
+(``disk_bytes``, ``max_files`` inodes), and hard links to files outside it are impossible (EXDEV).
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import select
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Dict, List, Optional
+
+from megak3.envs.host import UNSHARE_ARGS, host_isolation
+
+JAIL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jail.py")
+SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+PR_SET_PDEATHSIG = 1
+MNT_DETACH = 2
+MAX_SYMLINKS = 40
+
+
+class SandboxError(Exception):
+    """A tool call the sandbox refused; its message is the model's observation."""
+
+
+@dataclass
+class SandboxLimits:
+    """Per-command and per-episode limits (all checked by ``validate``)."""
+    cpu_seconds: int = 10           # RLIMIT_CPU per process (SIGXCPU at the limit)
+    wall_seconds: float = 20.0      # the whole command, then SIGKILL of its process group/namespace
+    memory_bytes: int = 512 << 20   # RLIMIT_AS per process, and the memory cgroup limit of the whole command
+    file_bytes: int = 16 << 20      # RLIMIT_FSIZE: largest file a command may write
+    disk_bytes: int = 64 << 20      # the episode directory's tmpfs size (and each command's /tmp)
+    max_files: int = 20000          # inodes of that tmpfs
+    max_procs: int = 64             # pids cgroup pids.max and RLIMIT_NPROC of the episode uid
+    open_files: int = 256           # RLIMIT_NOFILE
+    output_bytes: int = 8192        # observation text kept per tool call
+
+    def validate(self) -> "SandboxLimits":
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"limits.{f.name}={v!r} must be a positive number")
+        return self
+
+    @classmethod
+    def from_dict(cls, d: Optional[Dict]) -> "SandboxLimits":
+        names = {f.name for f in fields(cls)}
+        bad = sorted(set(d or {}) - names)
+        if bad:
+            raise ValueError(f"limits.{bad[0]}: no such field (fields: {', '.join(sorted(names))})")
+        return cls(**(d or {})).validate()
+
+    def to_dict(self) -> Dict:
+        return asdict(self)
+
+
+@dataclass
+class CommandResult:
+    exit_code: int
+    output: str
+    output_bytes: int               # bytes the command wrote in all (output keeps the first output_bytes)
+    timed_out: bool
+    seconds: float
+    oom_killed: bool = False        # the command's memory cgroup killed a process
+
+
+    def observation(self, limits: SandboxLimits) -> str:
+        notes = []
+        if self.oom_killed:
+            notes.append(f"memory limit {limits.memory_bytes} bytes reached: a process was killed")
+        if self.timed_out:
+            notes.append(f"killed: wall-clock limit {limits.wall_seconds:g} s")
+        elif self.exit_code == 128 + signal.SIGXCPU or self.exit_code == 128 + signal.SIGKILL:
+            notes.append(f"killed by signal {self.exit_code - 128} (CPU-time limit {limits.cpu_seconds} s "
+                         f"or memory)")
+        elif self.exit_code == 128 + signal.SIGXFSZ:
+            notes.append(f"killed: file-size limit {limits.file_bytes} bytes")
+        elif self.exit_code > 128:
+            notes.append(f"killed by signal {self.exit_code - 128}")
+        head = f"[exit {self.exit_code}" + "".join(f"; {n}" for n in notes) + "]"
+        text = head + ("\n" + self.output if self.output else "")
+        if self.output_bytes > limits.output_bytes:
+            text += f"\n[output truncated: first {limits.output_bytes} of {self.output_bytes} bytes]"
+        return text
+
+
+def _pdeathsig():
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _libc_mount(src, dst, fstype, data):
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(src.encode(), dst.encode(), fstype.encode(), ctypes.c_ulong(2 | 4), data.encode()) != 0:
+        raise OSError(ctypes.get_errno(), f"mount {fstype} on {dst}")
+
+
+def _kill_uid(uid: int) -> int:
+    """SIGKILL every process whose real uid is ``uid`` (the episode's own; never 0)."""
+    assert uid != 0
+    killed = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                ruid = next(int(l.split()[1]) for l in f if l.startswith("Uid:"))
+            if ruid == uid:
+                os.kill(int(pid), signal.SIGKILL)
+                killed += 1
+        except (OSError, StopIteration, ValueError):
+            continue
+    return killed
+
+
+def remove_tree(path: str):
+    """Delete ``path`` and everything under it without recursion (a command can nest directories
+    deeper than Python's recursion limit, which ``shutil.rmtree`` hits); symlinks are not followed."""
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path) or os.path.islink(path):
+        os.unlink(path)
+        return
+    dirs, todo = [], [path]
+    while todo:
+        d = todo.pop()
+        dirs.append(d)
+        with os.scandir(d) as it:
+            for e in it:
+                if e.is_dir(follow_symlinks=False):
+                    todo.append(e.path)
+                else:
+                    os.unlink(e.path)
+    for d in reversed(dirs):
+        os.rmdir(d)
+
+
+def remove_stale_cgroups() -> int:
+    """Remove the command cgroups of workers that no longer exist (killed mid-command); return how many."""
+    iso, removed = host_isolation(), 0
+    for parent in (iso.pids_cgroup, iso.memory_cgroup):
+        if not parent:
+            continue
+        for name in os.listdir(parent):
+            owner = name.split("-", 1)[0]
+            path = os.path.join(parent, name)
+            if not owner.isdigit() or not os.path.isdir(path) or os.path.exists(f"/proc/{owner}"):
+                continue
+            try:
+                with open(os.path.join(path, "cgroup.procs")) as f:
+                    for pid in f.read().split():
+                        os.kill(int(pid), signal.SIGKILL)
+                os.rmdir(path)
+                removed += 1
+            except OSError:
+                pass
+    return removed
+
+
+class ProcessSandbox:
+    """One episode's directory and the commands run in it. ``uid`` must be > 0 and unique per episode."""
+
+    def __init__(self, workdir: str, uid: int, limits: SandboxLimits, scratch: str):
+        assert uid > 0, "commands never run as root"
+        self.workdir, self.uid, self.limits = os.path.abspath(workdir), uid, limits
+        self.iso = host_isolation()
+        self.jail_root = os.path.join(scratch, "jailroot")
+        self.cgroup_seq = 0
+        os.makedirs(self.jail_root, exist_ok=True)
+        os.makedirs(self.workdir, exist_ok=False)
+        self.quota_mount = False
+        if self.iso.private_mounts:
+            _libc_mount("tmpfs", self.workdir, "tmpfs",
+                        f"size={limits.disk_bytes},nr_inodes={limits.max_files},mode=0700")
+            self.quota_mount = True
+        os.chmod(self.workdir, 0o700)
+        if self.iso.is_root:
+            os.chown(self.workdir, uid, uid)
+        self.python = shutil.which("python3", path=SANDBOX_PATH) or sys.executable
+
+    # ---- commands -------------------------------------------------------------------------------
+    def shell(self, cmd: str) -> str:
+        return self.run(["/bin/sh", "-c", cmd])
+
+    def python_code(self, code: str) -> str:
+        return self.run([self.python, "-c", code])
+
+    def run(self, argv: List[str]) -> str:
+        if any("\0" in a for a in argv):
+            raise SandboxError("a command may not contain NUL bytes")
+        res = self.run_command(argv)
+        text = res.observation(self.limits)
+        if not self.quota_mount:
+            used = self.disk_usage()
+            if used > self.limits.disk_bytes:
+                text += f"\n[disk quota exceeded: {used} > {self.limits.disk_bytes} bytes; delete files]"
+        return text
+
+    def run_command(self, argv: List[str]) -> CommandResult:
+        lim, ns = self.limits, self.iso.unshare is not None
+        cgroups = self._make_cgroups()
+        spec = {
+            "root": self.jail_root, "work": self.workdir, "uid": self.uid, "gid": self.uid,
+            "cgroups": list(cgroups.values()),
+            "namespaces": ns, "tmp_bytes": lim.disk_bytes, "argv": argv,
+            "env": {"PATH": SANDBOX_PATH, "HOME": "/work" if ns else self.workdir, "LANG": "C.UTF-8",
+                    "TMPDIR": "/tmp", "PYTHONDONTWRITEBYTECODE": "1"},
+            "rlimits": {"RLIMIT_CPU": int(lim.cpu_seconds), "RLIMIT_AS": int(lim.memory_bytes),
+                        "RLIMIT_FSIZE": int(lim.file_bytes), "RLIMIT_NPROC": int(lim.max_procs),
+                        "RLIMIT_NOFILE": int(lim.open_files), "RLIMIT_CORE": 0},
+        }
+        cmd = [sys.executable, "-I", "-S", JAIL]
+        if ns:
+            cmd = [self.iso.unshare, *UNSHARE_ARGS, "--", *cmd]
+        t0 = time.monotonic()
+        deadline = t0 + lim.wall_seconds
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=_pdeathsig,
+                                env={"PATH": SANDBOX_PATH, "MEGAK3_JAIL_SPEC": json.dumps(spec)})
+        buf, total, timed_out = bytearray(), 0, False
+        fd = proc.stdout.fileno()
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    timed_out = True
+                    break
+                ready, _, _ = select.select([fd], [], [], min(left, 1.0))
+                if not ready:
+                    continue
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                total += len(chunk)
+                if len(buf) < lim.output_bytes:
+                    buf += chunk[: lim.output_bytes - len(buf)]
+            if not timed_out:
+                try:
+                    proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+        finally:
+            if timed_out or proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+            proc.stdout.close()
+            oom = self._cleanup(cgroups, ns)
+        code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+        return CommandResult(code, buf.decode("utf-8", "replace"), total, timed_out, time.monotonic() - t0, oom)
+
+    def _make_cgroups(self) -> Dict[str, str]:
+        """This command's cgroups: {"pids": dir, "memory": dir}, each where the host allows it."""
+        self.cgroup_seq += 1
+        name = f"{os.getpid()}-{self.uid}-{self.cgroup_seq}"
+        out = {}
+        for kind, parent, knobs in (("pids", self.iso.pids_cgroup, [("pids.max", self.limits.max_procs)]),
+                                    ("memory", self.iso.memory_cgroup,
+                                     [("memory.limit_in_bytes", self.limits.memory_bytes),
+                                      ("memory.memsw.limit_in_bytes", self.limits.memory_bytes)])):
+            if not parent:
+                continue
+            path = os.path.join(parent, name)
+            try:
+                os.makedirs(path, exist_ok=True)
+                for knob, value in knobs:
+                    if os.path.exists(os.path.join(path, knob)):
+                        with open(os.path.join(path, knob), "w") as f:
+                            f.write(str(int(value)))
+                out[kind] = path
+            except OSError:
+                self._remove_cgroup(path, time.monotonic() + 1)
+        return out
+
+    def _cleanup(self, cgroups: Dict[str, str], ns: bool) -> bool:
+        """Without namespaces: SIGKILL the episode uid's processes until none is left (a fork bomb's
+        survivors fork while we scan). Then empty and remove the command's cgroups (at most 10 s).
+        Returns whether the memory cgroup's OOM killer fired."""
+        deadline = time.monotonic() + 10
+        if not ns and self.iso.is_root:
+            while _kill_uid(self.uid) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        oom = False
+        if "memory" in cgroups:
+            try:
+                with open(os.path.join(cgroups["memory"], "memory.oom_control")) as f:
+                    oom = any(l.startswith("oom_kill ") and int(l.split()[1]) > 0 for l in f)
+            except (OSError, ValueError):
+                pass
+        for path in cgroups.values():
+            self._remove_cgroup(path, deadline)
+        return oom
+
+    @staticmethod
+    def _remove_cgroup(path: str, deadline: float):
+        while time.monotonic() < deadline:
+            try:
+                with open(os.path.join(path, "cgroup.procs")) as f:
+                    for p in f.read().split():
+                        try:
+                            os.kill(int(p), signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                os.rmdir(path)
+                return
+            except OSError as e:
+                if e.errno == errno.ENOENT:
+                    return
+                if e.errno != errno.EBUSY:
+                    raise
+                time.sleep(0.005)
+
+    # ---- path tools -----------------------------------------------------------------------------
+    def resolve(self, path: str, follow_last: bool = True) -> str:
+        """Host path of sandbox path ``path`` inside the episode root, or SandboxError."""
+        if not isinstance(path, str) or "\0" in path:
+            raise SandboxError("path must be a string without NUL bytes")
+        if os.path.isabs(path):
+            if path != "/work" and not path.startswith("/work/"):
+                raise SandboxError(f"{path}: absolute paths must be under /work")
+            path = path[len("/work"):]
+        todo = [p for p in path.split("/") if p not in ("", ".")]
+        parts: List[str] = []
+        links = 0
+        while todo:
+            comp = todo.pop(0)
+            if comp == "..":
+                if not parts:
+                    raise SandboxError(f"{path}: leaves /work")
+                parts.pop()
+                continue
+            host = os.path.join(self.workdir, *parts, comp)
+            try:
+                st = os.lstat(host)
+            except (FileNotFoundError, NotADirectoryError):
+                parts.append(comp)                    # missing: the rest is lexical (write_file makes parents)
+                continue
+            if stat.S_ISLNK(st.st_mode) and (todo or follow_last):
+                links += 1
+                if links > MAX_SYMLINKS:
+                    raise SandboxError(f"{path}: too many symlinks")
+                target = os.readlink(host)
+                if os.path.isabs(target):
+                    if target != "/work" and not target.startswith("/work/"):
+                        raise SandboxError(f"{path}: symlink to {target} leaves /work")
+                    parts, target = [], target[len("/work"):]
+                todo = [p for p in target.split("/") if p not in ("", ".")] + todo
+                continue
+            parts.append(comp)
+        return os.path.join(self.workdir, *parts)
+
+    def read_file(self, path: str) -> str:
+        host = self.resolve(path)
+        try:
+            fd = os.open(host, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as e:
+            raise SandboxError(f"{path}: {e.strerror}")
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise SandboxError(f"{path}: not a regular file")
+            size = os.fstat(fd).st_size
+            data = f.read(self.limits.output_bytes)
+        text = data.decode("utf-8", "replace")
+        if size > len(data):
+            text += f"\n[file truncated: first {len(data)} of {size} bytes]"
+        return text
+
+    def write_file(self, path: str, content: str) -> str:
+        data = content.encode("utf-8")
+        if len(data) > self.limits.file_bytes:
+            raise SandboxError(f"{path}: {len(data)} bytes > file-size limit {self.limits.file_bytes}")
+        host = self.resolve(path, follow_last=False)
+        if host == self.workdir:
+            raise SandboxError(f"{path}: is the working directory")
+        parent = os.path.dirname(host)
+        self._makedirs(parent)
+        if os.path.isdir(host) and not os.path.islink(host):
+            raise SandboxError(f"{path}: is a directory")
+        tmp = os.path.join(parent, f".megak3-write-{os.getpid()}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            if self.iso.is_root:
+                os.chown(tmp, self.uid, self.uid)
+            os.replace(tmp, host)        # a new inode: never writes through a hard link or symlink
+        except OSError as e:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+            raise SandboxError(f"{path}: {e.strerror}")
+        if not self.quota_mount and self.disk_usage() > self.limits.disk_bytes:
+            os.unlink(host)
+            raise SandboxError(f"{path}: disk quota {self.limits.disk_bytes} bytes exceeded; file not written")
+        return f"wrote {len(data)} bytes to /work/{os.path.relpath(host, self.workdir)}"
+
+    def _makedirs(self, host_dir: str):
+        rel = os.path.relpath(host_dir, self.workdir)
+        cur = self.workdir
+        for comp in ([] if rel == "." else rel.split("/")):
+            cur = os.path.join(cur, comp)
+            if os.path.islink(cur) or (os.path.exists(cur) and not os.path.isdir(cur)):
+                raise SandboxError(f"/work/{rel}: not a directory")
+            if not os.path.exists(cur):
+                try:
+                    os.mkdir(cur, 0o755)
+                except OSError as e:
+                    raise SandboxError(f"/work/{rel}: {e.strerror}")
+                if self.iso.is_root:
+                    os.chown(cur, self.uid, self.uid)
+
+    def list_dir(self, path: str = ".") -> str:
+        host = self.resolve(path)
+        if not os.path.isdir(host) or os.path.islink(host):
+            raise SandboxError(f"{path}: not a directory")
+        lines = []
+        for e in sorted(os.scandir(host), key=lambda e: e.name):
+            st = e.stat(follow_symlinks=False)
+            kind = "dir" if e.is_dir(follow_symlinks=False) else "link" if e.is_symlink() else "file"
+            lines.append(f"{kind}\t{st.st_size}\t{e.name}" + (f" -> {os.readlink(e.path)}" if kind == "link" else ""))
+        text = "\n".join(lines) if lines else "(empty)"
+        if len(text) > self.limits.output_bytes:
+            text = text[: self.limits.output_bytes] + f"\n[listing truncated: {len(lines)} entries]"
+        return text
+
+    def disk_usage(self) -> int:
+        total, todo = 0, [self.workdir]
+        while todo:                                    # iterative: os.walk recurses
+            with os.scandir(todo.pop()) as it:
+                for e in it:
+                    total += e.stat(follow_symlinks=False).st_blocks * 512
+                    if e.is_dir(follow_symlinks=False):
+                        todo.append(e.path)
+        return total
+
+    def destroy(self):
+        """Remove the episode directory (and its tmpfs)."""
+        if self.quota_mount:
+            ctypes.CDLL(None, use_errno=True).umount2(self.workdir.encode(), MNT_DETACH)
+            self.quota_mount = False
+        remove_tree(self.workdir)

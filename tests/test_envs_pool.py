@@ -1,0 +1,230 @@
+"""The environment interface through the worker pool: snapshot/restore/fork, kill -9 recovery,
+checkpoint across a pool restart, and the task families' rewards."""
+import csv
+import io
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from megak3.envs import EnvError, EnvPool, ToolCall, make_task
+from megak3.envs.host import host_isolation
+from megak3.envs.tasks import FIXBUG
+
+LEDGER = {"family": "ledger", "seed": 7, "max_turns": 50}
+SUM_CSVS = ("import csv, glob\nitem = {item!r}\nprint(sum(int(r['qty']) * int(r['unit_price']) "
+            "for p in glob.glob('/work/data/*/*.csv') for r in csv.DictReader(open(p)) if r['item'] == item))")
+
+
+def sh(cmd):
+    return ToolCall("shell", {"cmd": cmd})
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with EnvPool(2, limits={"wall_seconds": 20}) as p:
+        yield p
+
+
+def test_snapshot_restore_and_fork(pool):
+    pool.reset("e", LEDGER)
+    pool.step("e", sh("mkdir -p out/deep && echo one > out/a.txt && chmod 600 out/a.txt && ln -s out/a.txt l"))
+    pool.step("e", ToolCall("write_file", {"path": "notes.md", "content": "# notes\n"}))
+    snap, digest, state = pool.snapshot("e"), pool.digest("e"), pool.state("e")
+    assert state["turn"] == 2
+    pool.step("e", sh("rm -rf out data/*/jan.csv; echo changed >> notes.md; chmod 700 README.txt; "
+                      "mkdir l2; rm l; ln -s notes.md l; head -c 3000 /dev/urandom > rnd"))
+    pool.step("e", ToolCall("write_file", {"path": "out", "content": "now a file"}))
+    assert pool.digest("e") != digest and pool.state("e")["turn"] == 4
+    pool.restore("e", snap)
+    assert pool.digest("e") == digest and pool.state("e") == state
+    # fork: a second episode from the same snapshot; the two evolve independently
+    pool.fork("e", "f", snap)
+    assert pool.digest("f") == digest and pool.state("f") == {**state, "episode_id": "f"}
+    pool.step("f", sh("echo f-only > f.txt"))
+    assert pool.digest("e") == digest
+    obs = pool.step("e", sh("cat f.txt; echo e-only > e.txt; cat out/a.txt")).observation
+    assert "No such file" in obs and "one" in obs
+    assert "No such file" in pool.step("f", sh("cat e.txt")).observation
+    assert pool.state("f")["turn"] == 4 and pool.state("e")["turn"] == 3
+
+
+def test_kill_9_resumes_from_last_snapshot(pool):
+    steps = [sh("echo a > a.txt"), ToolCall("write_file", {"path": "b/c.txt", "content": "bc"}), sh("cp a.txt d.txt")]
+    for eid in ("k", "ref"):
+        pool.reset(eid, LEDGER)
+        for s in steps:
+            pool.step(eid, s)
+    digest, state = pool.digest("k"), pool.state("k")
+    dead = pool.worker_pid("k")
+    os.kill(dead, signal.SIGKILL)                                  # worker dies between steps
+    assert pool.digest("k") == digest and pool.state("k") == state  # resumed elsewhere, identical
+    assert pool.events[-1].kind == "worker_died" and "k" in pool.events[-1].moved
+    assert pool.worker_pid("k") != dead
+    # ... and during a command: the interrupted step is re-run from the last snapshot
+    slow = sh("sleep 1; echo done >> marker; cat a.txt")
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=pool.step("k", slow)))
+    t.start()
+    time.sleep(0.4)
+    dead = pool.worker_pid("k")
+    os.kill(dead, signal.SIGKILL)
+    t.join(60)
+    cg = host_isolation().pids_cgroup
+    assert not cg or not [d for d in os.listdir(cg) if d.startswith(f"{dead}-")]    # its command's cgroup
+    ref = pool.step("ref", slow)
+    assert result["r"].observation == ref.observation == "[exit 0]\na\n"
+    assert pool.digest("k", mtimes=False) == pool.digest("ref", mtimes=False)   # marker written once
+    assert {**pool.state("k"), "episode_id": "ref"} == pool.state("ref")
+    assert len(pool.events) == 2
+
+
+def test_checkpoint_survives_a_pool_restart(tmp_path):
+    store = str(tmp_path / "store")
+    task = make_task(LEDGER)
+    with EnvPool(2, store_dir=store) as a:
+        for eid in ("p", "q"):
+            a.reset(eid, LEDGER)
+            a.step(eid, sh(f"echo {eid} > mine.txt"))
+        a.step("q", ToolCall("list_dir", {"path": "data"}))
+        assert a.gc() > 0                                          # earlier snapshots go; the last ones stay
+        ckpt = a.checkpoint()
+        before = {eid: (a.digest(eid), a.state(eid)) for eid in ("p", "q")}
+    assert set(ckpt["episodes"]) == {"p", "q"}
+    with EnvPool.from_checkpoint(ckpt, num_workers=1) as b:
+        assert {eid: (b.digest(eid), b.state(eid)) for eid in ("p", "q")} == before
+        out = b.step("p", ToolCall("python", {"code": SUM_CSVS.format(item=item_of(task))}))
+        assert out.observation == f"[exit 0]\n{task.answer}\n"
+        r = b.step("p", ToolCall("submit", {"answer": task.answer}))
+        assert r.done and r.reward == 1.0 and b.state("p")["turn"] == 3
+
+
+def item_of(task):
+    return task.prompt.split("item '")[1].split("'")[0]
+
+
+def ledger_total(task):
+    """Independent reference: the total from the generated files, parsed here."""
+    item = item_of(task)
+    return sum(int(r["qty"]) * int(r["unit_price"]) for path, text in task.files.items() if path.endswith(".csv")
+               for r in csv.DictReader(io.StringIO(text)) if r["item"] == item)
+
+
+def test_tasks_are_deterministic_and_verifiable(pool):
+    for family in ("ledger", "fixbug"):
+        a, b = make_task({"family": family, "seed": 3}), make_task({"family": family, "seed": 3})
+        assert (a.files, a.prompt, a.answer) == (b.files, b.prompt, b.answer)
+        assert len({tuple(sorted(make_task({"family": family, "seed": s}).files.items())) for s in range(6)}) > 1
+    for seed in range(5):
+        t = make_task({"family": "ledger", "seed": seed})
+        assert t.answer == str(ledger_total(t))
+    with pytest.raises(ValueError, match="task spec"):
+        make_task({"family": "chess", "seed": 1})
+
+    # ledger: several tool calls, then fork before submitting a right and a wrong answer
+    task = make_task(LEDGER)
+    pool.reset("L", LEDGER)
+    assert "dir" in pool.step("L", ToolCall("list_dir", {"path": "data"})).observation
+    out = pool.step("L", ToolCall("python", {"code": SUM_CSVS.format(item=item_of(task))})).observation
+    answer = out.split("\n")[1]
+    assert answer == str(ledger_total(task))
+    pool.fork("L", "L-wrong")
+    right = pool.step("L", f"The total is {answer}. " + ToolCall("submit", {"answer": answer}).to_text())
+    wrong = pool.step("L-wrong", ToolCall("submit", {"answer": str(int(answer) + 1)}))
+    assert (right.done, right.reward, wrong.done, wrong.reward) == (True, 1.0, True, 0.0)
+    assert pool.step("L", sh("ls")).observation == "error: the episode is over"
+
+    # fixbug: the tests fail, the fix makes them pass; editing the test instead scores 0
+    spec = {"family": "fixbug", "seed": 11}
+    fb = make_task(spec)
+    name = next(n for n in FIXBUG if f"def {n}(" in fb.files["program.py"])
+    for eid, action, reward in (("fix", ToolCall("write_file", {"path": "program.py", "content": FIXBUG[name][0]}), 1.0),
+                                ("cheat", ToolCall("write_file", {"path": "test_program.py", "content": "print('ok')\n"}),
+                                 0.0),
+                                ("idle", ToolCall("list_dir", {}), 0.0)):
+        pool.reset(eid, spec)
+        assert pool.step(eid, sh("python3 test_program.py")).observation.startswith("[exit 1]")
+        pool.step(eid, action)
+        r = pool.step(eid, ToolCall("submit", {"answer": "done"}))
+        assert (r.done, r.reward) == (True, reward), eid
+    # the turn limit ends an episode with reward 0
+    pool.reset("short", {**spec, "max_turns": 2})
+    pool.step("short", sh("true"))
+    r = pool.step("short", sh("true"))
+    assert r.done and r.reward == 0.0 and "turn limit 2" in r.observation
+
+
+def test_bad_input_is_refused_before_work(pool, tmp_path):
+    with pytest.raises(ValueError, match=r"limits.cpu_seconds=0 must be a positive number"):
+        EnvPool(1, limits={"cpu_seconds": 0})
+    with pytest.raises(ValueError, match=r"limits.cpu_secs: no such field"):
+        EnvPool(1, limits={"cpu_secs": 1})
+    with pytest.raises(ValueError, match=r"backend='slurm' must be 'process' or 'ray'"):
+        EnvPool(1, backend="slurm")
+    r = subprocess.run([sys.executable, "-m", "megak3.envs.worker", "--store", str(tmp_path), "--base",
+                        str(tmp_path), "--limits", '{"wall_seconds": -1}'], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr == \
+        "megak3.envs.worker: error: --limits: limits.wall_seconds=-1 must be a positive number\n"
+    with pytest.raises(EnvError, match="task spec"):
+        pool.reset("bad", {"family": "ledger"})
+    with pytest.raises(EnvError, match="not in this pool"):
+        pool.step("bad", ToolCall("list_dir", {}))
+    pool.reset("ok", {"family": "ledger", "seed": 1})
+    with pytest.raises(EnvError, match="no snapshot"):
+        pool.restore("ok", "0" * 20)
+    assert pool.step("ok", ToolCall("shell", {"cmd": "echo fine"})).observation == "[exit 0]\nfine\n"
+
+
+def test_sandbox_uids_are_unique_on_the_host():
+    """Two live sandboxes never share a uid, even when their ids hash alike; a closed claim comes free."""
+    from megak3.envs.env import claim_uid
+    u1, fd1 = claim_uid("same-id")
+    u2, fd2 = claim_uid("same-id")
+    assert u1 != u2 and min(u1, u2) >= 100000
+    os.close(fd1)
+    u3, fd3 = claim_uid("same-id")
+    assert u3 == u1
+    os.close(fd2)
+    os.close(fd3)
+
+
+def ledger_policy(transcripts):
+    """A scripted agent: list the data, sum it with a script, submit what the script printed."""
+    out = {}
+    for eid, ts in transcripts.items():
+        turn = sum(1 for role, _ in ts if role == "model")
+        item = ts[0][1].split("item '")[1].split("'")[0]
+        if turn == 0:
+            out[eid] = ToolCall("list_dir", {"path": "data"}).to_text()
+        elif turn == 1:
+            out[eid] = "Summing with a script. " + ToolCall("python", {"code": SUM_CSVS.format(item=item)}).to_text()
+        else:
+            out[eid] = ToolCall("submit", {"answer": ts[-1][1].split("\n")[1]}).to_text()
+    return out
+
+
+def test_partial_rollouts_pause_and_resume_across_a_restart(tmp_path):
+    import json
+
+    from megak3.envs.driver import EpisodeDriver
+    tasks = {f"r{s}": {"family": "ledger", "seed": s} for s in range(3)}
+    with EnvPool(2, store_dir=str(tmp_path / "store")) as pool:
+        drv = EpisodeDriver(pool)
+        for eid, t in tasks.items():
+            drv.start(eid, t)
+        assert drv.run(ledger_policy, max_turns=2) == {}                    # iteration 1: all paused
+        assert drv.unfinished() == sorted(tasks)
+        sd = json.loads(json.dumps(drv.state_dict()))                       # what the RL checkpoint holds
+        before = {e: (pool.digest(e), pool.state(e)) for e in tasks}
+    drv2 = EpisodeDriver.from_state_dict(sd, num_workers=1)                 # iteration 2, after a restart
+    with drv2.pool:
+        assert {e: (drv2.pool.digest(e), drv2.pool.state(e)) for e in tasks} == before
+        done = drv2.run(ledger_policy, max_turns=5)
+        assert sorted(done) == sorted(tasks) and all(r.reward == 1.0 for r in done.values())
+        for eid, t in tasks.items():
+            assert drv2.transcripts[eid][-2][1] == ToolCall("submit", {"answer": make_task(t).answer}).to_text()
+            assert len(drv2.transcripts[eid]) == 7                          # prompt + 3 x (model, env)

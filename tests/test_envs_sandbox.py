@@ -1,0 +1,202 @@
+"""Containment: escapes and exhaustion are stopped and reported; the worker and the host are unharmed.
+
+One worker process serves every episode of this module (small limits: 1 s CPU, 3 s wall, 256 MB
+address space, 4 MB files, 8 MB disk, 16 processes). Each test checks the observation names what
+stopped the command, that the worker did not restart, and that nothing of the episode is left on
+the host (processes of its uid, its pids cgroup, files outside its directory).
+"""
+import os
+import socket
+
+import pytest
+
+from megak3.envs import EnvPool, ToolCall
+from megak3.envs.host import host_isolation
+
+LIMITS = {"cpu_seconds": 1, "wall_seconds": 3, "memory_bytes": 256 << 20, "file_bytes": 4 << 20,
+          "disk_bytes": 8 << 20, "max_procs": 16, "output_bytes": 2000}
+TASK = {"family": "ledger", "seed": 0, "max_turns": 100}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with EnvPool(1, limits=LIMITS) as p:
+        p.pid0 = p.workers[0].pid
+        yield p
+
+
+@pytest.fixture(scope="module")
+def namespaces(pool):
+    if "namespaces net+pid+mount+ipc+uts" not in pool.isolation:
+        pytest.skip(f"host refuses namespaces: {pool.isolation}")
+
+
+def call(pool, eid, name, **args):
+    return pool.step(eid, ToolCall(name, args)).observation
+
+
+def uid_processes(uid):
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                if any(l.startswith("Uid:") and int(l.split()[1]) == uid for l in f):
+                    out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def assert_unharmed(pool, eid):
+    assert pool.events == [] and pool.workers[0].pid == pool.pid0, "the worker restarted"
+    assert uid_processes(pool.uid(eid)) == []
+    for cg in (host_isolation().pids_cgroup, host_isolation().memory_cgroup):
+        if cg:
+            assert [d for d in os.listdir(cg) if d.startswith(f"{pool.pid0}-")] == []
+    assert call(pool, eid, "shell", cmd="echo alive") == "[exit 0]\nalive\n"
+
+
+def test_isolation_is_stated(pool):
+    assert pool.isolation.startswith("megak3.envs isolation: ") and "\n" not in pool.isolation
+
+
+def test_path_escapes_are_refused(pool, namespaces, tmp_path):
+    eid = "escape"
+    pool.reset(eid, TASK)
+    canary = tmp_path / "canary.txt"
+    canary.write_text("host")
+    for path in ("../../etc/passwd", "..", "a/../../x"):
+        assert "leaves /work" in call(pool, eid, "read_file", path=path)
+    assert "absolute paths must be under /work" in call(pool, eid, "read_file", path="/etc/passwd")
+    assert "absolute paths must be under /work" in call(pool, eid, "write_file", path=str(canary), content="x")
+    assert "leaves /work" in call(pool, eid, "write_file", path="/work/../evil", content="x")
+    out = call(pool, eid, "shell", cmd="ln -s /etc etc_link; ln -s .. up; ln -s /work/README.txt abs; "
+                                        "ln -s loop loop; ln /etc/hostname hard || echo HARDLINK-REFUSED")
+    assert "HARDLINK-REFUSED" in out                               # another filesystem: EXDEV
+    assert "symlink to /etc leaves /work" in call(pool, eid, "read_file", path="etc_link/passwd")
+    assert "leaves /work" in call(pool, eid, "list_dir", path="up")
+    assert "too many symlinks" in call(pool, eid, "read_file", path="loop")
+    assert call(pool, eid, "read_file", path="abs").startswith("Sales ledgers")   # /work/... target stays inside
+    # commands: the host's files are not there, and the system directories are read-only
+    out = call(pool, eid, "shell", cmd=f"cat {canary}; echo pwned > {canary}; echo x > /etc/megak3_pwned; "
+                                        "touch /usr/megak3_pwned; ls /")
+    assert "No such file" in out and "Read-only file system" in out
+    assert canary.read_text() == "host"
+    assert not os.path.exists("/etc/megak3_pwned") and not os.path.exists("/usr/megak3_pwned")
+    assert "uid=0" not in call(pool, eid, "shell", cmd="id")
+    assert_unharmed(pool, eid)
+
+
+def test_other_episodes_are_invisible(pool, namespaces):
+    pool.reset("victim", TASK)
+    pool.reset("thief", TASK)
+    call(pool, "victim", "write_file", path="secret.txt", content="s3cret-token")
+    host_path = os.path.join(pool.base_dir, "w1", "victim", "secret.txt")
+    out = call(pool, "thief", "shell", cmd=f"cat /work/../victim/secret.txt {host_path}; "
+                                            "find / -path /usr -prune -o -path /proc -prune -o -name secret.txt -print; "
+                                            "grep -rs s3cret-token /work /tmp /etc /dev; echo done")
+    assert "s3cret-token" not in out and out.rstrip().endswith("done")
+    assert "leaves /work" in call(pool, "thief", "read_file", path="../victim/secret.txt")
+    assert call(pool, "victim", "read_file", path="secret.txt") == "s3cret-token"
+    assert_unharmed(pool, "thief")
+
+
+def test_exhaustion_is_stopped_and_reported(pool, namespaces):
+    eid = "hog"
+    pool.reset(eid, TASK)
+    fork_bomb = ("import os, time\nwhile True:\n    try:\n        os.fork()\n    except OSError as e:\n"
+                 "        print('fork refused:', e.strerror, flush=True)\n        time.sleep(5)\n")
+    out = call(pool, eid, "python", code=fork_bomb)
+    assert "killed: wall-clock limit 3 s" in out and "fork refused: Resource temporarily unavailable" in out
+    assert_unharmed(pool, eid)
+
+    assert "MemoryError" in call(pool, eid, "python", code="x = bytearray(1 << 30)")
+    out = call(pool, eid, "python", code="x = bytearray(100 << 20); print(len(x))")
+    assert out == f"[exit 0]\n{100 << 20}\n"                       # within the limit: fine
+    # 4 processes x 100 MB, each under RLIMIT_AS: the command's memory cgroup (256 MB) kills some
+    hogs = ("import os, time\nfor i in range(4):\n    if os.fork() == 0:\n        x = bytearray(100 << 20)\n"
+            "        time.sleep(1)\n        os._exit(0)\nprint(sorted(os.wait()[1] for i in range(4)))\n")
+    out = call(pool, eid, "python", code=hogs)
+    if host_isolation().memory_cgroup:
+        assert "memory limit 268435456 bytes reached" in out and "9]" in out    # SIGKILLed children
+
+    out = call(pool, eid, "shell", cmd="head -c 6000000 /dev/zero > big")
+    assert "file-size limit" in out
+    out = call(pool, eid, "shell", cmd="for i in 1 2 3 4; do head -c 3000000 /dev/zero > f$i || echo FULL; done")
+    assert "No space left on device" in out and "FULL" in out
+    assert call(pool, eid, "shell", cmd="rm -f f1 f2 f3 f4 big; echo ok").endswith("ok\n")
+    assert "No space left" in call(pool, eid, "write_file", path="w.bin", content="z" * (3 << 20)) + \
+        call(pool, eid, "write_file", path="w2.bin", content="z" * (3 << 20)) + \
+        call(pool, eid, "write_file", path="w3.bin", content="z" * (3 << 20))
+
+    assert "wall-clock limit 3 s" in call(pool, eid, "shell", cmd="sleep 100")
+    out = call(pool, eid, "shell", cmd="head -c 100000 /dev/zero | tr '\\0' y")
+    assert out.endswith("[output truncated: first 2000 of 100000 bytes]") and len(out) < 2200
+    # a background process does not outlive its command
+    assert call(pool, eid, "shell", cmd="(sleep 100 &) ; echo started").endswith("started\n")
+    assert_unharmed(pool, eid)
+
+
+def test_cpu_limit(namespaces):
+    """Its own pool with a long wall-clock limit: on a busy machine 1 CPU-second may take seconds."""
+    with EnvPool(1, limits={**LIMITS, "wall_seconds": 30}) as p:
+        p.reset("spin", TASK)
+        out = call(p, "spin", "python", code="while True: pass")
+        assert out.startswith("[exit 152; killed by signal 24 (CPU-time limit 1 s")   # SIGXCPU
+        assert uid_processes(p.uid("spin")) == []
+
+
+def test_no_network(pool, namespaces):
+    eid = "net"
+    pool.reset(eid, TASK)
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    srv.settimeout(0.5)
+    port = srv.getsockname()[1]
+    out = call(pool, eid, "python", code=f"import socket\ns = socket.socket()\ns.settimeout(2)\n"
+                                         f"s.connect(('127.0.0.1', {port}))\nprint('CONNECTED')")
+    assert "CONNECTED" not in out and ("Network is unreachable" in out or "Connection refused" in out)
+    with pytest.raises(socket.timeout):
+        srv.accept()
+    srv.close()
+    assert_unharmed(pool, eid)
+
+
+def test_malformed_calls_keep_the_worker(pool):
+    eid = "junk"
+    pool.reset(eid, TASK)
+    for text in ("no call", "<tool_call>{</tool_call>", '<tool_call>{"name": "nope"}</tool_call>',
+                 '<tool_call>{"name": "read_file", "arguments": {"path": "missing.txt"}}</tool_call>',
+                 '<tool_call>{"name": "shell", "arguments": {"cmd": "echo \\u0000"}}</tool_call>',
+                 '<tool_call>{"name": "write_file", "arguments": {"path": "a", "content": "\\udcff"}}</tool_call>',
+                 '<tool_call>{"name": "read_file", "arguments": {"path": "README.txt/x"}}</tool_call>'):
+        r = pool.step(eid, text)
+        assert r.observation.startswith("error: ") and not r.done
+    assert pool.events == []
+
+
+def test_rlimits_only_mode(monkeypatch):
+    """Where namespaces are refused: the start-up line says so; the per-episode uid, rlimits, the pids
+    cgroup, the tmpfs quota and killing the uid's processes after each command still hold."""
+    if os.geteuid() != 0:
+        pytest.skip("per-episode uids, cgroups and tmpfs quotas need root")
+    monkeypatch.setenv("MEGAK3_ENVS_NO_NAMESPACES", "1")
+    with EnvPool(1, limits=LIMITS) as p:
+        assert "NO namespaces" in p.isolation
+        for eid in ("victim", "thief"):
+            p.reset(eid, TASK)
+        call(p, "victim", "write_file", path="secret.txt", content="s3cret-token")
+        victim_dir = os.path.join(p.base_dir, "w1", "victim")
+        out = call(p, "thief", "shell", cmd=f"id -u; cat {victim_dir}/secret.txt; ls {victim_dir}")
+        assert out.split("\n")[1] == str(p.uid("thief")) and "Permission denied" in out
+        assert "s3cret-token" not in out
+        assert "leaves /work" in call(p, "thief", "read_file", path="../victim/secret.txt")
+        fork_bomb = ("import os, time\nwhile True:\n    try:\n        os.fork()\n    except OSError as e:\n"
+                     "        print('fork refused:', e.strerror, flush=True)\n        time.sleep(5)\n")
+        assert "fork refused: Resource temporarily unavailable" in call(p, "thief", "python", code=fork_bomb)
+        assert call(p, "thief", "shell", cmd="(setsid sleep 100 &) ; echo started").endswith("started\n")
+        assert uid_processes(p.uid("thief")) == []
+        out = call(p, "thief", "shell", cmd="for i in 1 2 3 4; do head -c 3000000 /dev/zero > f$i || echo FULL; done")
+        assert "No space left on device" in out
+        assert p.events == []

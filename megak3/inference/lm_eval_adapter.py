@@ -11,7 +11,8 @@ this module: ``python -m megak3.inference.lm_eval_adapter`` (console script ``me
 imports it and then runs the harness's command line with the same arguments as ``lm_eval``.
 
 ``model_args``: ``checkpoint`` (anything ``Engine.from_pretrained`` loads), ``device`` (default
-cpu), ``dtype`` (default float32), ``batch_size`` (sequences per ``Engine.score`` /
+cpu; a CUDA device on a machine without one, the harness command line's default, falls back to cpu
+with a notice), ``dtype`` (default float32), ``batch_size`` (sequences per ``Engine.score`` /
 ``Engine.generate`` call, default 16).
 
 Requests go through the engine: ``loglikelihood`` and ``loglikelihood_rolling`` through
@@ -21,14 +22,18 @@ strings; ``max_gen_toks`` default 256). Tokenisation follows the harness's Huggi
 (context, continuation) pair is encoded as ``encode(context + continuation)`` split at
 ``len(encode(context))`` (so a merge across the boundary is scored as the model would see the
 text), an empty context becomes the single token eos (megak3's document separator, the training
-data has no bos), and a context longer than the model's context keeps its last tokens.
-``loglikelihood_rolling`` scores the whole text in disjoint windows of the model's context, eos as
-the first window's prefix, as the harness's rolling-window helpers cut it.
+data has no bos), and a (context + continuation) longer than the model's context keeps its last
+``max_context`` tokens (``Engine.score`` takes sequences of at most ``max_context`` tokens, one
+fewer than a forward of ``max_context`` positions could score). ``loglikelihood_rolling`` scores the
+whole text in disjoint windows of ``max_context - 1`` predicted tokens, eos as the first window's
+prefix, cut by the harness's own rolling-window helpers.
 """
 from __future__ import annotations
 
 import sys
 from typing import List, Optional, Tuple
+
+import torch
 
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
@@ -54,8 +59,14 @@ class Megak3LM(LM):
             from megak3.inference import Engine
 
             check_checkpoint_path(str(checkpoint))
-            engine = Engine.from_pretrained(str(checkpoint), device=device or "cpu", dtype=dtype)
+            device = str(device or "cpu")
+            if device.startswith("cuda") and not torch.cuda.is_available():  # the harness CLI's default
+                print(f"megak3 lm-eval model: device={device} but this machine has no CUDA device; using cpu "
+                      "(pass --device cpu to silence this)", file=sys.stderr)
+                device = "cpu"
+            engine = Engine.from_pretrained(str(checkpoint), device=device, dtype=dtype)
         self.engine = engine
+        self._device = getattr(engine.runner, "device", "cpu") if hasattr(engine, "runner") else "cpu"
         self.tok = engine.tokenizer
         self.max_length = engine.max_context
         try:
@@ -121,7 +132,7 @@ class Megak3LM(LM):
         for r in requests:
             (text,) = r.args[:1]
             windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                token_list=self.tok_encode(text), prefix_token=self.eot_token_id, max_seq_len=self.max_length,
+                token_list=self.tok_encode(text), prefix_token=self.eot_token_id, max_seq_len=self.max_length - 1,
                 context_len=1)]
             out.append(sum(ll for ll, _ in self._score_pairs(windows)))
         return out

@@ -40,6 +40,7 @@ RUNTIME = [
     "nvidia-ml-py>=12",          # GPU telemetry; skipped with one notice when NVML is absent
 ]
 DEEPSPEED = "deepspeed==0.19.8"
+LM_EVAL = "lm-eval>=0.4.13,<0.5"   # tested 0.4.13; installs against the pinned CPU torch
 EXTRAS = {
     # GPU-only accelerators; every path they serve has a pure-torch twin used on CPU.
     # NVIDIA apex is not on PyPI (PyPI's "apex" is unrelated) and is only imported if the user built it.
@@ -52,7 +53,9 @@ EXTRAS = {
     # torchao: an independent MX reference in tests (tests skip it when absent); deepspeed: the
     # offload kernel the tests compare with its torch twin
     "dev": ["pytest>=7.4", "pytest-xdist>=3.3", "pytest-timeout>=2.1", "matplotlib>=3.7", "ninja>=1.11",
-            "torchao>=0.10", DEEPSPEED],
+            "torchao>=0.10", DEEPSPEED, LM_EVAL],
+    # the lm-evaluation-harness model "megak3" (megak3/inference/lm_eval_adapter.py, megak3-lm-eval)
+    "eval": [LM_EVAL],
 }
 
 setup(
@@ -63,7 +66,9 @@ setup(
     packages=find_packages(include=["megak3", "megak3.*", "parallel", "parallel.*", "moonep", "moonep.*"]),
     install_requires=RUNTIME,
     extras_require=EXTRAS,
-    entry_points={"console_scripts": ["megak3-train=megak3.train.__main__:main"]},
+    entry_points={"console_scripts": ["megak3-train=megak3.train.__main__:main",
+                                      "megak3-generate=megak3.inference.cli:main",
+                                      "megak3-lm-eval=megak3.inference.lm_eval_adapter:main"]},
     ext_modules=EXT_MODULES,
     cmdclass=CMDCLASS,
 )

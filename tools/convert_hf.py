@@ -19,7 +19,7 @@ written only then. A checkpoint whose recorded ``quant.qat`` is not ``mxfp4_expe
 experts trained unquantised: the export then prints one note with the measured relative change
 of the packed experts (``||W_q - W|| / ||W||``, summed over every expert matrix) and points to
 ``--experts bf16``. Other tensors are bf16 (``--dtype fp32`` keeps the masters bit for bit); A_log,
-dt_bias, the short-conv weights and the router bias are always fp32.
+dt_bias, the short-conv weights, the KDA o_norm and the router bias are always fp32.
 
 Streaming: the shard layout is planned from shapes alone, then each shard file is written tensor
 by tensor in slabs of at most 64 MiB of source data (one expert at a time for the packed experts),

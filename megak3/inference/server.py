@@ -396,13 +396,16 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.close_connection = True
         try:
-            for ev in events:
-                self.wfile.write(f"data: {json.dumps(ev)}\n\n".encode())
-                self.wfile.flush()
-        except ValueError as e:
-            self.wfile.write(f"data: {json.dumps({'error': {'message': str(e)}})}\n\n".encode())
-        self.wfile.write(b"data: [DONE]\n\n")
-        self.wfile.flush()
+            try:
+                for ev in events:
+                    self.wfile.write(f"data: {json.dumps(ev)}\n\n".encode())
+                    self.wfile.flush()
+            except ValueError as e:  # an engine error after the headers: an error event ends the stream
+                self.wfile.write(f"data: {json.dumps({'error': {'message': ' '.join(str(e).split())}})}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        except OSError:  # the client went away; the engine finishes the request on its own
+            events.close()
 
 
 def make_server(engine, host: str = "127.0.0.1", port: int = 0, model_name: str = "megak3",

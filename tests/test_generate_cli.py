@@ -154,3 +154,21 @@ def test_module_entry_point_runs_and_fails_cleanly(tiny_run, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "megak3.generate", "--checkpoint", str(run), "--prompt", "x",
                           "--top-p", "1.5"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "sampling.top_p" in bad.stderr, bad.stderr
+
+
+def test_generates_the_same_from_a_hugging_face_export(tiny_run, tmp_path):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import convert_hf
+
+    run, model, tok = tiny_run
+    lines = []
+    convert_hf.export(run / "checkpoints", tmp_path / "hf", experts="bf16", dtype="fp32", log=lines.append)
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (run / "tokenizer.json").read_bytes()
+    assert not any("no tokenizer.json" in ln for ln in lines)
+    outs = []
+    for src in (run, tmp_path / "hf"):
+        out = tmp_path / f"{src.name}.jsonl"
+        assert main(["--checkpoint", str(src), "--prompt", "class Point:", "--max-tokens", "8", "--ignore-eos",
+                     "--output", str(out)]) == 0
+        outs.append(json.loads(out.read_text())["token_ids"])
+    assert outs[0] == outs[1] == greedy_reference(model, tok.encode("class Point:"), 8)

@@ -10,7 +10,9 @@
 ``export`` reads a per-shard trainer checkpoint (a ``step_XXXXXXXX`` directory or a root holding
 ``latest``) of ANY layout through :class:`megak3.train.shard_store.CheckpointReader` and writes
 OUT_DIR with ``config.json`` (megak3/interop/hf_config.py), ``model-0000k-of-0000N.safetensors``
-shards and ``model.safetensors.index.json``. Names, padding and the per-expert split come from
+shards, ``model.safetensors.index.json`` and the run's ``tokenizer.json`` when one is found beside
+the checkpoint or through its data config (``python -m megak3.generate --checkpoint OUT_DIR``
+then works on the export). Names, padding and the per-expert split come from
 megak3/interop/hf_names.py; routed experts are packed to MXFP4 (``weight_packed`` / ``weight_scale``)
 with megak3.quant.mx, the quantizer of the QAT forward, so the export dequantizes to exactly the
 weights a ``quant.qat=mxfp4_experts`` run computed with (scale rule: --scale-mode, default the
@@ -158,6 +160,17 @@ def _check_model(reader, shapes: dict, cfg) -> None:
                          "pass the model config the run used")
 
 
+def _run_tokenizer(reader):
+    """The tokenizer.json the run trained with (beside the checkpoint or through its data config, as
+    generation finds it), or None."""
+    from megak3.inference.loading import _tokenizer_for
+
+    try:
+        return Path(_tokenizer_for("megak3", Path(reader.path), (reader.meta or {}).get("config"), None).path)
+    except ValueError:
+        return None
+
+
 def plan_shards(listing, shard_bytes: int) -> list:
     """Greedy, in listing order: a new shard starts when the next tensor would overflow (a tensor
     larger than the limit gets its own shard); an MXFP4 scale stays with its packed half."""
@@ -299,6 +312,9 @@ def export(checkpoint, out_dir, overrides=(), experts: str = "mxfp4", dtype: str
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         hf_cfg = to_hf_config(cfg, experts == "mxfp4", "bfloat16" if dtype == "bf16" else "float32")
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+        tokenizer = _run_tokenizer(reader)
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, tmp / "tokenizer.json")
         peak = peak_rss_bytes()
         os.rename(tmp, out)
     except BaseException:
@@ -315,6 +331,9 @@ def export(checkpoint, out_dir, overrides=(), experts: str = "mxfp4", dtype: str
     mib = 2 ** 20
     log(f"wrote {len(listing):,} tensors ({total / mib:,.1f} MiB) in {len(shards)} shard(s) to {out} "
         f"in {stats['seconds']:.1f} s")
+    if tokenizer is None:
+        log(f"note: no tokenizer.json found beside {reader.path} or through its data config; copy the run's "
+            f"tokenizer into {out} to generate from the export")
     if growth is not None:
         log(f"peak RSS growth {growth / mib:,.1f} MiB = {growth / shard_bytes:.2f}x the shard size "
             f"({shard_bytes / mib:,.0f} MiB; largest shard written {largest / mib:,.1f} MiB)")

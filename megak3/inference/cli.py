@@ -138,10 +138,22 @@ def check_checkpoint_path(path: str) -> None:
                          "or Hugging Face export dir")
 
 
+def check_device(device: str) -> None:
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this machine has no CUDA device; use --device cpu")
+
+
 def load_engine(a):
     from megak3.inference import Engine
 
     check_checkpoint_path(a.checkpoint)
+    check_device(a.device)
     return Engine.from_pretrained(a.checkpoint, device=a.device, dtype=a.dtype)
 
 

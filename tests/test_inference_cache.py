@@ -101,15 +101,28 @@ def test_pinned_blocks_survive_and_lru_evicts_leaves_first():
     m = _mgr(num_pages=14)
     a = list(range(100, 117))              # 4 full blocks + 1 token, checkpoints at 8 and 16
     _run(m, 1, a)                          # running: 5 pages + 2 checkpoints (4 pages) pinned
+    # 5 free + the superseded checkpoint at 8 (2 pages; its block stays) can be promised, no more:
     with pytest.raises(InferenceError, match="cache.num_pages"):
-        m.begin(2, list(range(300, 324)), 0)   # 6 pages > the 5 free: pinned entries are not evictable
+        m.begin(2, list(range(300, 332)), 0)   # 8 pages: the pinned blocks are not evictable
     m.finish(1)
     hashes = chain_hashes(a, 4)
     assert all(h in m.entries for h in hashes)
-    _run(m, 3, list(range(300, 320)))      # 5 pages + 2 checkpoints: evicts from the leaf end
-    m.finish(3)
+    _run(m, 3, list(range(300, 320)))      # 5 pages + 2 checkpoints: the interior checkpoint goes
+    m.finish(3)                            # first, then entries from the leaf end
     kept = [h in m.entries for h in hashes]
     assert kept == sorted(kept, reverse=True) and kept[0] and not kept[-1], kept
+    assert m.entries[hashes[1]].ckpt is None and m.stats["evicted_checkpoints"] == 1
+
+
+def test_restored_checkpoint_is_a_branch_point_and_stays():
+    m = _mgr(num_pages=20)
+    a = list(range(100, 125))              # checkpoints at 8, 16, 24; 8 and 16 superseded
+    _run(m, 1, a)
+    m.finish(1)
+    h = chain_hashes(a, 4)
+    assert list(m.interior) == [h[1], h[3]]
+    assert _run(m, 2, a[:16] + [1, 2, 3]).tokens == 16   # a branch restores 16: no longer interior
+    assert list(m.interior) == [h[1]]
 
 
 def test_checkpoint_lives_and_dies_with_its_block():

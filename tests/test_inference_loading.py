@@ -89,8 +89,8 @@ def _job(corpus, run_dir, world, **par):
         model=load_model_config("k3_tiny", **PARITY_MODEL),
         data=DataConfig(path=corpus[0], tokenizer=corpus[1], seq_len=32, valid_fraction=0.1),
         optim=OptimConfig(lr=1e-3, warmup_steps=1, ns_dtype="float32"),
-        train=TrainConfig(max_steps=1, global_batch_size=4, micro_batch_size=1, eval_interval=0,
-                          eval_batches=1, save_interval=1, run_dir=run_dir, seed=3, device="cpu", threads=1,
+        train=TrainConfig(max_steps=2, global_batch_size=4, micro_batch_size=1, eval_interval=0,
+                          eval_batches=1, save_interval=2, run_dir=run_dir, seed=3, device="cpu", threads=1,
                           resume="auto"),
         logging=LoggingConfig(progress_bar=False, wandb=False, log_interval=1),
         parallel=ParallelConfig(backend="gloo", timeout_s=120, **par),
@@ -124,7 +124,7 @@ def test_tp2_pp2_checkpoint_loads_with_the_same_logits(corpus_dataset, tmp_path)
     import shutil
 
     shutil.copytree(src / "checkpoints", one / "checkpoints")
-    ref_model = _train(0, 1, corpus_dataset, str(one), {})   # resumes at step 1 == max_steps: no step
+    ref_model = _train(0, 1, corpus_dataset, str(one), {})   # resumes at step 2 == max_steps: no step
     ref_model.eval()
     ids = eng.tokenizer.encode("def main():\n    return 0\n")
     assert rel_err(eng.next_logits([ids])[0], _ref_logits(ref_model, ids)) <= REL

@@ -117,6 +117,22 @@ class Engine:
             out.append(Scored([float(v) for v in lp], [bool(b) for b in logp.argmax(-1) == tgt]))
         return out
 
+    def next_logits(self, prompts: List[List[int]]) -> torch.Tensor:
+        """fp32 logits [N, V] of the token after each prompt, through the prefix cache (a hit
+        restores the deepest checkpointed boundary and prefills the rest)."""
+        rows = []
+        for i, p in enumerate(prompts):
+            self._check_ids(p, f"prompts[{i}]")
+            s = _Seq(self._new_id(), list(p), SamplingParams(max_tokens=1), max_new=1, tokens=list(p))
+            self._begin(s)
+            try:
+                while s.fed < len(s.prompt):
+                    logits = self._prefill_chunk(s)
+            finally:
+                self.cache.finish(s.rid)
+            rows.append(logits)
+        return torch.stack(rows)
+
     def cache_stats(self) -> dict:
         return {**self.cache.stats, **self.cache.cache_bytes(self.runner.page_bytes)}
 

@@ -45,6 +45,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="run dir, checkpoint dir (any layout) or Hugging Face export dir")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", default="float32", help="compute dtype (default float32)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,8 +153,13 @@ def check_device(device: str) -> None:
 def load_engine(a):
     from megak3.inference import Engine
 
+    import torch
+
     check_checkpoint_path(a.checkpoint)
     check_device(a.device)
+    if a.threads < 1:
+        raise ValueError(f"--threads {a.threads} must be >= 1")
+    torch.set_num_threads(a.threads)
     return Engine.from_pretrained(a.checkpoint, device=a.device, dtype=a.dtype)
 
 

@@ -13,7 +13,7 @@ imports it and then runs the harness's command line with the same arguments as `
 ``model_args``: ``checkpoint`` (anything ``Engine.from_pretrained`` loads), ``device`` (default
 cpu; a CUDA device on a machine without one, the harness command line's default, falls back to cpu
 with a notice), ``dtype`` (default float32), ``batch_size`` (sequences per ``Engine.score`` /
-``Engine.generate`` call, default 16).
+``Engine.generate`` call, default 16), ``threads`` (torch CPU threads; default: leave torch's setting).
 
 Requests go through the engine: ``loglikelihood`` and ``loglikelihood_rolling`` through
 ``Engine.score`` (log p of each token given the ones before it), ``generate_until`` through
@@ -49,8 +49,11 @@ class Megak3LM(LM):
     """The harness's LM interface over :class:`megak3.inference.Engine` (module docstring)."""
 
     def __init__(self, checkpoint: Optional[str] = None, device: Optional[str] = None, dtype: str = "float32",
-                 batch_size=16, max_batch_size: Optional[int] = None, engine=None, **unused):
+                 batch_size=16, max_batch_size: Optional[int] = None, engine=None, threads: Optional[int] = None,
+                 **unused):
         super().__init__()
+        if threads is not None:
+            torch.set_num_threads(max(1, int(threads)))
         if engine is None:
             if not checkpoint:
                 raise ValueError("lm-eval model megak3: give --model_args checkpoint=PATH (a megak3 run dir, "

@@ -99,13 +99,3 @@ def test_rolling_windows_beyond_the_context_and_truncated_contexts(run):
     with pytest.raises(ValueError, match="checkpoint=PATH"):
         Megak3LM()
 
-
-def test_harness_command_line_with_the_megak3_model(run, capsys, monkeypatch):
-    from megak3.inference import lm_eval_adapter
-
-    path, _, _ = run
-    monkeypatch.setattr("sys.argv", ["megak3-lm-eval"])
-    assert lm_eval_adapter.main(["--model", "megak3", "--model_args", f"checkpoint={path}", "--tasks", "megak3_mc",
-                                 "--include_path", str(TASKS), "--device", "cpu", "--limit", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "megak3_mc" in out and "acc" in out

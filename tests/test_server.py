@@ -155,12 +155,19 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(served):
     assert st == 200 and r["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-def test_serve_command_starts_and_refuses_a_bad_checkpoint(tmp_path):
+def test_serve_command_starts_and_refuses_a_bad_checkpoint(tmp_path, capsys):
+    from megak3.inference.cli import main
+
+    for argv, needle in ((["serve", "--checkpoint", str(tmp_path / "none"), "--port", "0"], "no such"),
+                         (["serve", "--checkpoint", str(tmp_path), "--port", "70000"], "--port")):
+        try:
+            rc = main(argv)
+        except SystemExit as e:
+            rc = e.code
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1 and needle in err, err
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    bad = subprocess.run([sys.executable, "-m", "megak3.generate", "serve", "--checkpoint", str(tmp_path / "none"),
-                          "--port", "0"], capture_output=True, text=True, env=env, timeout=120)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "no such" in bad.stderr, bad.stderr
-    run, _, _ = make_tiny_run(tmp_path / "run")
+    run, model, tok = make_tiny_run(tmp_path / "run")
     p = subprocess.Popen([sys.executable, "-m", "megak3.generate", "serve", "--checkpoint", str(run), "--port", "0",
                           "--model-name", "tiny"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -169,7 +176,9 @@ def test_serve_command_starts_and_refuses_a_bad_checkpoint(tmp_path):
         port = int(line.split("http://127.0.0.1:")[1].split(" ")[0])
         deadline = time.time() + 30
         st, r = _json(port, "POST", "/v1/completions", {"prompt": "def", "max_tokens": 3, "temperature": 0})
+        ref = greedy_reference(model, tok.encode("def"), 3, eos=tok.eos_id)
         assert st == 200 and time.time() < deadline
+        assert r["choices"][0]["text"] == tok.decode(ref[:-1] if ref[-1] == tok.eos_id else ref)
     finally:
         p.terminate()
         p.wait(30)

@@ -22,12 +22,17 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     run, model, tok = make_tiny_run(tmp_path_factory.mktemp("run"))
-    srv = make_server(Engine.from_pretrained(str(run)), "127.0.0.1", 0, model_name="tiny")
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield srv.server_address[1], model, tok
+    engine = Engine.from_pretrained(str(run))
+    srv = _start(engine)
+    yield srv.server_address[1], model, tok, engine
     srv.shutdown()
     srv.server_close()
+
+
+def _start(engine):
+    srv = make_server(engine, "127.0.0.1", 0, model_name="tiny")
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
 
 
 def _call(port, method, path, body=None, raw=None):
@@ -47,7 +52,7 @@ def _json(port, method, path, body=None, raw=None):
 
 
 def test_models_and_greedy_completions(served):
-    port, model, tok = served
+    port, model, tok, _ = served
     st, m = _json(port, "GET", "/v1/models")
     assert st == 200 and m["data"][0]["id"] == "tiny" and m["data"][0]["max_model_len"] == 96
     prompts = ["def main(", "class Point:"]
@@ -68,7 +73,7 @@ def test_models_and_greedy_completions(served):
 
 
 def test_chat_and_concurrent_requests(served):
-    port, model, tok = served
+    port, model, tok, _ = served
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def main("}]
     st, r = _json(port, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 6, "temperature": 0,
                                                           "logprobs": True})
@@ -103,7 +108,7 @@ def _sse(port, path, body):
 
 
 def test_streaming_sends_the_same_text(served):
-    port, model, tok = served
+    port, model, tok, _ = served
     body = {"prompt": "def main(", "max_tokens": 10, "temperature": 0}
     full = _json(port, "POST", "/v1/completions", body)[1]["choices"][0]
     ev = _sse(port, "/v1/completions", {**body, "stream": True})
@@ -120,7 +125,7 @@ def test_streaming_sends_the_same_text(served):
 
 
 def test_bad_requests_get_400_and_the_server_keeps_serving(served):
-    port, _, tok = served
+    port, _, tok, _ = served
     long_prompt = "the quick brown fox " * 60
     cases = [
         ({"prompt": "x", "temperature": -1}, "temperature"),
@@ -182,3 +187,57 @@ def test_serve_command_starts_and_refuses_a_bad_checkpoint(tmp_path, capsys):
     finally:
         p.terminate()
         p.wait(30)
+
+
+class _GatedEngine:
+    """The real engine, with its first generate call held until ``release`` is set; records the
+    number of prompts of every call."""
+
+    def __init__(self, engine):
+        self.engine, self.calls, self.release = engine, [], threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, prompts, params):
+        self.calls.append(len(prompts))
+        if len(self.calls) == 1:
+            assert self.release.wait(60)
+        return self.engine.generate(prompts, params)
+
+
+def test_requests_that_arrive_together_share_one_engine_call(served):
+    _, model, tok, engine = served
+    gated = _GatedEngine(engine)
+    srv = _start(gated)
+    port = srv.server_address[1]
+    try:
+        prompts = [f"the quick {i}" for i in range(6)]
+        got = {}
+
+        def worker(i):
+            got[i] = _json(port, "POST", "/v1/completions", {"prompt": prompts[i], "max_tokens": 4, "temperature": 0})
+
+        first = threading.Thread(target=worker, args=(0,))
+        first.start()
+        deadline = time.time() + 30
+        while not gated.calls and time.time() < deadline:
+            time.sleep(0.01)
+        rest = [threading.Thread(target=worker, args=(i,)) for i in range(1, 6)]
+        for t in rest:
+            t.start()
+        batcher = srv.RequestHandlerClass.service.batcher
+        while batcher.q.qsize() < 5 and time.time() < deadline:
+            time.sleep(0.01)
+        gated.release.set()
+        for t in [first] + rest:
+            t.join(60)
+        assert gated.calls == [1, 5]                          # the five waiting requests went in one call
+        for i, p in enumerate(prompts):
+            ref = greedy_reference(model, tok.encode(p), 4, eos=tok.eos_id)
+            assert got[i][0] == 200
+            assert got[i][1]["choices"][0]["text"] == tok.decode(ref[:-1] if ref[-1] == tok.eos_id else ref)
+    finally:
+        gated.release.set()
+        srv.shutdown()
+        srv.server_close()

@@ -16,6 +16,12 @@ are the training forward's. What changes is only how the token mixers see the pa
 Pool layout: one fp32 tensor ``[num_pages, page_numel]``. An MLA page is ``[n_mla, page_size, R]``;
 a KDA checkpoint (every KDA layer's state and tails, flattened) spans ``checkpoint_pages`` pages.
 The host tier is a second such tensor in host memory (pinned on CUDA).
+
+Tensor / expert parallelism: the runner also drives a model transformed by
+``parallel.parallelize`` (the trainer's plan) without sequence or pipeline parallelism. Each rank
+caches its own heads' KDA state and the (replicated) MLA latents; a token mixer wrapped in a
+``TPRegion`` has its partial output all-reduced, the vocabulary-parallel head's logits are gathered,
+and the expert dispatch runs inside the MoE as in training. Every rank runs the same engine loop.
 """
 from __future__ import annotations
 
@@ -29,6 +35,23 @@ from torch import nn
 
 from ..model.kda import _l2norm
 from ..ops.kda import kda, kda_gate, recurrent_kda
+
+
+def _inner(module: nn.Module) -> nn.Module:
+    """The token mixer inside a tensor-parallel ``TPRegion`` (or the module itself)."""
+    return getattr(module, "inner", module)
+
+
+def reduce_from_tp(x, group):
+    from parallel.tensor_parallel.collectives import reduce_from_tp as f
+
+    return f(x, group)
+
+
+def gather_from_tp(x, group, dim):
+    from parallel.tensor_parallel.collectives import gather_from_tp as f
+
+    return f(x, group, dim)
 
 
 @dataclass
@@ -50,14 +73,21 @@ class ModelRunner:
         self.kda_idx = [i for i, k in enumerate(kinds) if k == "kda"]
         self.mla_idx = [i for i, k in enumerate(kinds) if k == "mla"]
         self.slot = {i: j for j, i in enumerate(self.mla_idx)}
-        m, k = cfg.mla, cfg.kda
+        if len(model.layers) != cfg.num_layers or getattr(model, "context_parallel", None) is not None:
+            raise ValueError("generation runs the whole model on every rank: use parallel.pp=1 and parallel.cp=1")
+        for layer in model.layers:
+            if getattr(layer.self_attn, "sequence_parallel", False):
+                raise ValueError("generation runs without sequence parallelism; set parallel.sequence_parallel=false")
+        m = cfg.mla
         self.R = m.kv_lora_rank + m.qk_rope_head_dim
-        self.H_kda, self.K_kda, self.W = k.num_heads, k.head_dim, k.conv_kernel
-        self.P = k.num_heads * k.head_dim
-        self.state_shapes = [(self.H_kda, self.K_kda, self.K_kda), (3, self.W - 1, self.P)]
-        self.kda_numel = self.H_kda * self.K_kda * self.K_kda + 3 * (self.W - 1) * self.P
+        self.W = cfg.kda.conv_kernel
+        self.state_shapes = []   # per KDA layer: (S [H, K, V], tails [3, W-1, H*K]); H = this rank's heads
+        for i in self.kda_idx:
+            a = _inner(model.layers[i].self_attn)
+            P = a.num_heads * a.head_dim
+            self.state_shapes.append(((a.num_heads, a.head_dim, a.head_dim), (3, self.W - 1, P)))
         self.page_numel = max(len(self.mla_idx), 1) * page_size * self.R
-        self.checkpoint_numel = len(self.kda_idx) * self.kda_numel
+        self.checkpoint_numel = sum(math.prod(a) + math.prod(b) for a, b in self.state_shapes)
         self.checkpoint_pages = max(1, math.ceil(self.checkpoint_numel / self.page_numel))
         self.pool = torch.zeros(num_pages, self.page_numel, dtype=torch.float32, device=self.device)
         self.host = torch.zeros(host_pages, self.page_numel, dtype=torch.float32,
@@ -75,8 +105,7 @@ class ModelRunner:
     # --------------------------------------------------------------------------- KDA state
     def new_state(self) -> SeqState:
         z = lambda shape: torch.zeros(shape, dtype=torch.float32, device=self.device)
-        return SeqState([z(self.state_shapes[0]) for _ in self.kda_idx],
-                        [z(self.state_shapes[1]) for _ in self.kda_idx])
+        return SeqState([z(a) for a, _ in self.state_shapes], [z(b) for _, b in self.state_shapes])
 
     def save_state(self, st: SeqState, pages: Sequence[int]) -> None:
         flat = torch.cat([t.reshape(-1) for pair in zip(st.S, st.tails) for t in pair])
@@ -87,8 +116,8 @@ class ModelRunner:
     def load_state(self, pages: Sequence[int]) -> SeqState:
         flat = self.pool[torch.as_tensor(list(pages), device=self.device)].reshape(-1)
         S, tails, off = [], [], 0
-        for _ in self.kda_idx:
-            for shape, out in zip(self.state_shapes, (S, tails)):
+        for shapes in self.state_shapes:
+            for shape, out in zip(shapes, (S, tails)):
                 n = math.prod(shape)
                 out.append(flat[off:off + n].view(shape).clone())
                 off += n
@@ -126,11 +155,14 @@ class ModelRunner:
             x = layer._attn_input(partial, *blocks)
             if layer.layer_idx % layer.block_size == 0:
                 blocks, partial = blocks + (partial,), None
+            attn = _inner(layer.self_attn)
             if layer.kind == "kda":
-                a, S[kj], tails[kj] = self._kda(layer.self_attn, x, S[kj], tails[kj])
+                a, S[kj], tails[kj] = self._kda(attn, x, S[kj], tails[kj])
                 kj += 1
             else:
-                a = self._mla(layer.self_attn, self.slot[layer.layer_idx], x, addr)
+                a = self._mla(attn, self.slot[layer.layer_idx], x, addr)
+            if attn is not layer.self_attn:   # a TPRegion: this rank's heads give a partial sum
+                a = reduce_from_tp(a, layer.self_attn.group)
             partial = a if partial is None else partial + a
             x = layer._mlp_input(partial, *blocks)
             f = layer._moe(x)[0] if layer.is_moe else layer.mlp(x)
@@ -139,8 +171,12 @@ class ModelRunner:
             st.S = [s[n] for s in S]
             st.tails = [t[n] for t in tails]
         if not all_logits:
-            return model.head(partial[:, -1:], tuple(b[:, -1:] for b in blocks))[:, 0]
-        return model.head(partial, blocks)
+            partial, blocks = partial[:, -1:], tuple(b[:, -1:] for b in blocks)
+        logits = model.head(partial, blocks)
+        group = getattr(model.lm_head, "group", None)
+        if group is not None:   # vocabulary-parallel head: this rank's slice of the vocabulary
+            logits = gather_from_tp(logits, group, dim=-1)
+        return logits if all_logits else logits[:, 0]
 
     def _addresses(self, starts, tables, T):
         """Pool addresses of the new tokens and the padded key layout of every sequence."""
@@ -159,7 +195,7 @@ class ModelRunner:
 
     def _kda(self, attn, x_NTD, S_NHKV, tails_N3WP):
         N, T, _ = x_NTD.shape
-        H, K, W = self.H_kda, self.K_kda, self.W
+        H, K, W = attn.num_heads, attn.head_dim, self.W
         outs, new_tails = [], []
         pairs = ((attn.q_proj, attn.q_conv1d), (attn.k_proj, attn.k_conv1d), (attn.v_proj, attn.v_conv1d))
         for c, (proj, conv) in enumerate(pairs):

@@ -139,17 +139,17 @@ class ModelRunner:
         return self.model.embed(ids_BT, images or None)
 
     @torch.no_grad()
-    def forward(self, x0_NTD: torch.Tensor, states: List[SeqState], starts: List[int],
+    def forward(self, x0_BTD: torch.Tensor, states: List[SeqState], starts: List[int],
                 tables: List[List[int]], all_logits: bool = False) -> torch.Tensor:
-        """Run N sequences' next T tokens (embeddings ``x0_NTD``) from positions ``starts``; their
+        """Run N sequences' next T tokens (embeddings ``x0_BTD``) from positions ``starts``; their
         pages must already cover ``start + T`` tokens. Updates ``states`` in place; returns fp32
         logits [N, T, V] (``all_logits``) or of the last token [N, V]."""
         model = self.model
-        N, T, _ = x0_NTD.shape
+        N, T, _ = x0_BTD.shape
         S = [torch.stack([st.S[j] for st in states]) for j in range(len(self.kda_idx))]
         tails = [torch.stack([st.tails[j] for st in states]) for j in range(len(self.kda_idx))]
         addr = self._addresses(starts, tables, T) if self.mla_idx else None
-        partial, blocks = x0_NTD, ()
+        partial, blocks = x0_BTD, ()
         kj = 0
         for layer in model.layers:
             x = layer._attn_input(partial, *blocks)
@@ -181,25 +181,25 @@ class ModelRunner:
     def _addresses(self, starts, tables, T):
         """Pool addresses of the new tokens and the padded key layout of every sequence."""
         ps, dev = self.page_size, self.device
-        pos_NT = torch.as_tensor(starts, device=dev)[:, None] + torch.arange(T, device=dev)
+        pos_BT = torch.as_tensor(starts, device=dev)[:, None] + torch.arange(T, device=dev)
         ends = [s + T for s in starts]
         nb = -(-max(ends) // ps)
         tab = torch.zeros(len(tables), nb, dtype=torch.long, device=dev)
         for n, t in enumerate(tables):
             need = -(-ends[n] // ps)
             tab[n, :need] = torch.as_tensor(t[:need], device=dev)
-        page_NT = tab.gather(1, pos_NT // ps)
+        page_BT = tab.gather(1, pos_BT // ps)
         key_pos = torch.arange(nb * ps, device=dev)
-        mask_NTL = key_pos[None, None, :] <= pos_NT[:, :, None]   # causal; also hides padding
-        return page_NT, pos_NT % ps, tab, mask_NTL, max(ends)
+        mask_BTC = key_pos[None, None, :] <= pos_BT[:, :, None]   # causal; also hides padding
+        return page_BT, pos_BT % ps, tab, mask_BTC, max(ends)
 
-    def _kda(self, attn, x_NTD, S_NHKV, tails_N3WP):
-        N, T, _ = x_NTD.shape
+    def _kda(self, attn, x_BTD, S_BHKV, tails_B3WP):
+        N, T, _ = x_BTD.shape
         H, K, W = attn.num_heads, attn.head_dim, self.W
         outs, new_tails = [], []
         pairs = ((attn.q_proj, attn.q_conv1d), (attn.k_proj, attn.k_conv1d), (attn.v_proj, attn.v_conv1d))
         for c, (proj, conv) in enumerate(pairs):
-            xf = torch.cat([tails_N3WP[:, c], proj(x_NTD).float()], 1)   # ShortConv with its past
+            xf = torch.cat([tails_B3WP[:, c], proj(x_BTD).float()], 1)   # ShortConv with its past
             w_PW = conv.weight[:, 0, :].float()
             out = None
             for j in range(W):  # tap j looks j tokens back (ShortConv's order)
@@ -210,41 +210,41 @@ class ModelRunner:
         q = _l2norm(outs[0].view(N, T, H, K))
         k = _l2norm(outs[1].view(N, T, H, K))
         v = outs[2].view(N, T, H, K)
-        g = kda_gate(attn.f_b_proj(attn.f_a_proj(x_NTD)), attn.A_log, attn.dt_bias, attn.lower_bound)
-        beta = torch.sigmoid(attn.b_proj(x_NTD).float())
+        g = kda_gate(attn.f_b_proj(attn.f_a_proj(x_BTD)), attn.A_log, attn.dt_bias, attn.lower_bound)
+        beta = torch.sigmoid(attn.b_proj(x_BTD).float())
         if T == 1:
-            o, S_NHKV = recurrent_kda(q, k, v, g, beta, initial_state=S_NHKV, output_final_state=True)
+            o, S_BHKV = recurrent_kda(q, k, v, g, beta, initial_state=S_BHKV, output_final_state=True)
         else:
-            o, S_NHKV = kda(q, k, v, g, beta, initial_state=S_NHKV, output_final_state=True,
+            o, S_BHKV = kda(q, k, v, g, beta, initial_state=S_BHKV, output_final_state=True,
                             chunk_size=attn.chunk_size, use_fla=attn.use_fla)
-        return attn._output(o, x_NTD), S_NHKV, torch.stack(new_tails, 1)
+        return attn._output(o, x_BTD), S_BHKV, torch.stack(new_tails, 1)
 
-    def _mla(self, attn, slot: int, x_NTD, addr):
-        page_NT, off_NT, tab, mask_NTL, L = addr
-        N, T, _ = x_NTD.shape
+    def _mla(self, attn, slot: int, x_BTD, addr):
+        page_BT, off_BT, tab, mask_BTC, L = addr
+        N, T, _ = x_BTD.shape
         H, nope, rope, r = attn.num_heads, attn.nope, attn.rope, attn.kv_rank
-        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x_NTD))).view(N, T, H, nope + rope).float()
-        c_kv, k_pe = attn.kv_a_proj_with_mqa(x_NTD).split([r, rope], dim=-1)
+        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x_BTD))).view(N, T, H, nope + rope).float()
+        c_kv, k_pe = attn.kv_a_proj_with_mqa(x_BTD).split([r, rope], dim=-1)
         entry = torch.cat([attn.kv_a_layernorm(c_kv), k_pe], -1).float()
         pool = self.pool.view(self.pool.shape[0], len(self.mla_idx), self.page_size, self.R)
-        pool[page_NT, slot, off_NT] = entry
-        lat_NLR = pool[tab, slot].reshape(N, -1, self.R)[:, :L]
-        mask = mask_NTL[:, :, :L].unsqueeze(1)                       # [N, 1, T, L]
-        c_NLr, pe_NLd = lat_NLR.split([r, rope], dim=-1)
+        pool[page_BT, slot, off_BT] = entry
+        lat_BCR = pool[tab, slot].reshape(N, -1, self.R)[:, :L]
+        mask = mask_BTC[:, :, :L].unsqueeze(1)                       # [N, 1, T, L]
+        c_BCr, pe_BCd = lat_BCR.split([r, rope], dim=-1)
         q_nope, q_pe = q.split([nope, rope], dim=-1)
         if type(attn.kv_b_proj) is nn.Linear:   # absorbed (MQA) form over the latent
             W_HXr = attn.kv_b_proj.weight.float().view(H, nope + attn.v_dim, r)
             q_lat = torch.einsum("nthd,hdr->nhtr", q_nope, W_HXr[:, :nope])
-            s = (torch.einsum("nhtr,nlr->nhtl", q_lat, c_NLr)
-                 + torch.einsum("nthd,nld->nhtl", q_pe, pe_NLd)) * attn.softmax_scale
+            s = (torch.einsum("nhtr,nlr->nhtl", q_lat, c_BCr)
+                 + torch.einsum("nthd,nld->nhtl", q_pe, pe_BCd)) * attn.softmax_scale
             p = s.masked_fill(~mask, float("-inf")).softmax(-1)
-            o_lat = torch.einsum("nhtl,nlr->nhtr", p, c_NLr)
+            o_lat = torch.einsum("nhtl,nlr->nhtr", p, c_BCr)
             o = torch.einsum("nhtr,hvr->nhtv", o_lat, W_HXr[:, nope:])
         else:   # expanded keys and values (the projection quantises its input)
-            kv = attn.kv_b_proj(c_NLr.to(x_NTD.dtype)).view(N, L, H, nope + attn.v_dim).float()
+            kv = attn.kv_b_proj(c_BCr.to(x_BTD.dtype)).view(N, L, H, nope + attn.v_dim).float()
             k_nope, v = kv.split([nope, attn.v_dim], dim=-1)
             s = (torch.einsum("nthd,nlhd->nhtl", q_nope, k_nope)
-                 + torch.einsum("nthd,nld->nhtl", q_pe, pe_NLd)) * attn.softmax_scale
+                 + torch.einsum("nthd,nld->nhtl", q_pe, pe_BCd)) * attn.softmax_scale
             p = s.masked_fill(~mask, float("-inf")).softmax(-1)
             o = torch.einsum("nhtl,nlhv->nhtv", p, v)
-        return attn._output(o, x_NTD)
+        return attn._output(o, x_BTD)

@@ -17,20 +17,20 @@ def _run(fn, argv):
 
 
 def test_bench_prefix_cache_tiny():
-    rc, out = _run(bench_prefix_cache.main, ["--sessions", "2", "--branches", "1", "--turns", "3", "--system", "32",
-                                             "--user", "8", "--tool-min", "8", "--tool-max", "24", "--reply", "4",
-                                             "--page-size", "8", "--interval", "16", "--coarse", "256"])
+    rc, out = _run(bench_prefix_cache.main, ["--sessions", "2", "--branches", "1", "--turns", "2", "--system", "16",
+                                             "--user", "4", "--tool-min", "4", "--tool-max", "12", "--reply", "2",
+                                             "--page-size", "4", "--interval", "8", "--coarse", "128"])
     rows = [l.split()[0] for l in out.splitlines()[2:6]]
-    assert rows == ["no-reuse", "last", "coarse(256)", "ours(16)"], out
+    assert rows == ["no-reuse", "last", "coarse(128)", "ours(8)"], out
     assert "replies identical across policies: True" in out
     assert "ours / no-reuse prefill" in out and "ours / last prefill" in out
     assert rc in (0, 1)
 
 
 def test_bench_decode_tiny():
-    rc, out = _run(bench_decode.main, ["--contexts", "32", "96", "--new", "2", "--page-size", "16", "--chunk", "32"])
+    rc, out = _run(bench_decode.main, ["--contexts", "16", "48", "--new", "2", "--page-size", "16", "--chunk", "32"])
     assert rc == 0 and "(equal)" in out, out
-    assert len([l for l in out.splitlines() if l.strip().startswith(("32", "96"))]) == 2
+    assert len([l for l in out.splitlines() if l.strip().startswith(("16", "48"))]) == 2
 
 
 def test_bench_bad_arguments_exit_2():

@@ -3,7 +3,8 @@
 fp32, random init with non-zero Block AttnRes pseudo-queries and router correction biases (so the
 depth mix and the QB-biased selection are exercised): chunked prefill and ragged batched decode
 give every position's logits within 1e-5 of the training forward's (relative to the largest logit),
-for prompts crossing KDA chunk, prefill chunk and cache-page boundaries; with MXFP4 QAT experts and
+for prompts crossing KDA chunk, prefill chunk and cache-page boundaries (k3_tiny's and k3_mini's layer
+schedules); with MXFP4 QAT experts and
 MXFP8-emulated dense linears (the expanded, non-absorbed MLA path); with images spliced at prefill.
 Greedy generation of 256 tokens equals a full-recompute loop token for token.
 """
@@ -25,10 +26,14 @@ def small_model(variant: str = "plain", seed: int = 0, **overrides):
     from megak3.quant.config import QuantConfig
 
     over = {**PARITY_MODEL, **overrides}
+    base = "k3_tiny"
+    if variant == "mini":   # k3_mini's structure (13 layers, AttnRes blocks of 4) at parity widths
+        base = "k3_mini"
+        over.update({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "media_placeholder_token_id": 3})
     if variant in ("qat", "fp8"):   # MX blocks of 32 along every quantised input
         over.update({"hidden_size": 64, "mla.kv_lora_rank": 32, "mla.q_lora_rank": 32,
                      "mla.v_head_dim": 8, "kda.head_dim": 16})
-    cfg = load_model_config("k3_tiny", **over)
+    cfg = load_model_config(base, **over)
     model = build_model(cfg, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -86,7 +91,7 @@ def _per_position(model, seqs, got):
     return torch.cat(errs)
 
 
-@pytest.mark.parametrize("variant", ["plain", "qat", "fp8"])
+@pytest.mark.parametrize("variant", ["plain", "mini", "qat", "fp8"])
 def test_cached_decode_equals_training_forward(variant):
     torch.manual_seed(0)
     model = small_model(variant)

@@ -226,16 +226,21 @@ class CacheManager:
                 e.refs += 1
             seq.hashes = hashes[:hit_blocks]
             seq.pinned = list(seq.hashes)
-            try:
-                for h in seq.hashes:
-                    if self.entries[h].page is None:
-                        self._prefetch(h, actions)
-            except InferenceError:
-                self._release(seq)
-                raise
-            seq.table = [self.entries[h].page for h in seq.hashes]
             if hit_blocks:
                 self.interior.pop(hashes[hit_blocks - 1], None)   # restored: a branch point, keep it
+            # entries on the host tier come back with their checkpoints: only when that and the rest
+            # of the sequence fit next to the reservations of the running sequences (else: cold)
+            host_need = sum(1 + len(self.entries[h].host_ckpt or ()) for h in seq.hashes
+                            if self.entries[h].page is None)
+            if host_need and host_need + total - hit_blocks > self.available():
+                self._release(seq)
+                seq = SeqPages(salt, prompt_len=n)
+                hit_blocks = 0
+            for h in seq.hashes:
+                if self.entries[h].page is None:
+                    self._prefetch(h, actions)
+            seq.table = [self.entries[h].page for h in seq.hashes]
+            if hit_blocks:
                 ckpt = list(self.entries[hashes[hit_blocks - 1]].ckpt)
                 self.stats["hits"] += 1
                 self.stats["hit_tokens"] += hit_blocks * ps

@@ -99,3 +99,14 @@ def test_rolling_windows_beyond_the_context_and_truncated_contexts(run):
     with pytest.raises(ValueError, match="checkpoint=PATH"):
         Megak3LM()
 
+
+
+def test_chat_template_is_the_servers(run):
+    from megak3.inference.server import render_chat
+
+    path, _, _ = run
+    lm = Megak3LM(checkpoint=str(path))
+    turns = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    assert lm.apply_chat_template(turns) == "user: 2+2?\nassistant: 4\nassistant:" == render_chat(turns)
+    assert lm.apply_chat_template(turns, add_generation_prompt=False) == "user: 2+2?\nassistant: 4"
+    assert lm.tokenizer_name.startswith("megak3:")

@@ -24,7 +24,9 @@ strings; ``max_gen_toks`` default 256). Tokenisation follows the harness's Huggi
 text), an empty context becomes the single token eos (megak3's document separator, the training
 data has no bos), and a (context + continuation) longer than the model's context keeps its last
 ``max_context`` tokens (``Engine.score`` takes sequences of at most ``max_context`` tokens, one
-fewer than a forward of ``max_context`` positions could score). ``loglikelihood_rolling`` scores the
+fewer than a forward of ``max_context`` positions could score). ``--apply_chat_template`` renders
+the few-shot turns with the HTTP server's plain template (``role: content`` lines, then
+``assistant:``). ``loglikelihood_rolling`` scores the
 whole text in disjoint windows of ``max_context - 1`` predicted tokens, eos as the first window's
 prefix, cut by the harness's own rolling-window helpers.
 """
@@ -96,6 +98,19 @@ class Megak3LM(LM):
         whole = self.tok_encode(context + continuation)
         ctx = self.tok_encode(context)
         return (ctx if ctx else [self.eot_token_id]), whole[len(ctx):]
+
+    # ---- chat (--apply_chat_template): the server's plain-text template --------------------------------
+    @property
+    def tokenizer_name(self) -> str:
+        return f"megak3:{getattr(self.tok, 'path', 'tokenizer')}"
+
+    def chat_template(self, chat_template=False) -> str:
+        return "megak3-plain: {role}: {content}\n ... assistant:"
+
+    def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
+        from megak3.inference.server import render_chat
+
+        return render_chat(chat_history, add_generation_prompt)
 
     # ---- scoring ------------------------------------------------------------------------------------
     def _score_pairs(self, pairs: List[Tuple[List[int], List[int]]]) -> List[Tuple[float, bool]]:

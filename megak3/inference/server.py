@@ -60,8 +60,9 @@ class RequestError(ValueError):
         self.param, self.status = param, status
 
 
-def render_chat(messages) -> str:
-    """The plain-text chat template (module docstring)."""
+def render_chat(messages, add_generation_prompt: bool = True) -> str:
+    """The plain-text chat template (module docstring); without ``add_generation_prompt`` the
+    trailing ``"assistant:"`` is left off (the last message is continued)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list of {\"role\", \"content\"} objects", "messages")
     parts = []
@@ -69,7 +70,8 @@ def render_chat(messages) -> str:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise RequestError(f"messages[{i}] must be an object with string \"role\" and \"content\"", "messages")
         parts.append(f"{m['role']}: {m['content']}\n")
-    return "".join(parts) + "assistant:"
+    text = "".join(parts)
+    return text + "assistant:" if add_generation_prompt else text.removesuffix("\n")
 
 
 class _Batcher:

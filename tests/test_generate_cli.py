@@ -133,6 +133,7 @@ def test_bad_input_is_one_line_and_exit_2(tiny_run, tmp_path, capsys):
         (["--checkpoint", str(run)], "one of the arguments --prompt --input is required"),
         (["--checkpoint", str(run), "--prompt", "x", "--top-k", "many"], "invalid int value"),
         (["--checkpoint", str(run), "--prompt", "x", "--device", "tpu9"], "--device"),
+        (["--checkpoint", str(run), "--prompt", "x", "--output", str(tmp_path / "no" / "o.jsonl")], "does not exist"),
         (["--checkpoint", str(run), "--prompt", "x", "--dtype", "int3"], "dtype"),
     ]
     for argv, needle in cases:

@@ -175,6 +175,8 @@ def generate_main(argv: Optional[List[str]] = None) -> int:
         params = request_params(base, recs)
         if a.output and Path(a.output).is_dir():
             raise ValueError(f"--output {a.output} is a directory; give a file name")
+        if a.output and not Path(a.output).resolve().parent.is_dir():
+            raise ValueError(f"--output {a.output}: directory {Path(a.output).resolve().parent} does not exist")
         engine = load_engine(a)
         ids = encode_prompts(engine, [r["prompt"] for r in recs])
         t0 = time.perf_counter()

@@ -41,6 +41,7 @@ RUNTIME = [
 ]
 DEEPSPEED = "deepspeed==0.19.8"
 RAY = "ray>=2.50,<3"
+LM_EVAL = "lm-eval>=0.4.13,<0.5"   # tested 0.4.13; installs against the pinned CPU torch
 EXTRAS = {
     # GPU-only accelerators; every path they serve has a pure-torch twin used on CPU.
     # NVIDIA apex is not on PyPI (PyPI's "apex" is unrelated) and is only imported if the user built it.
@@ -54,9 +55,12 @@ EXTRAS = {
     # megak3/envs' worker pool on Ray (EnvPool(backend="ray")); 2.60.0 is the tested version
     "ray": [RAY],
     # torchao: an independent MX reference in tests (tests skip it when absent); deepspeed: the
-    # offload kernel the tests compare with its torch twin; ray: tests/test_envs_ray.py
+    # offload kernel the tests compare with its torch twin; ray: tests/test_envs_ray.py; lm-eval:
+    # tests/test_lm_eval.py
     "dev": ["pytest>=7.4", "pytest-xdist>=3.3", "pytest-timeout>=2.1", "matplotlib>=3.7", "ninja>=1.11",
-            "torchao>=0.10", DEEPSPEED, RAY],
+            "torchao>=0.10", DEEPSPEED, RAY, LM_EVAL],
+    # the lm-evaluation-harness model "megak3" (megak3/inference/lm_eval_adapter.py, megak3-lm-eval)
+    "eval": [LM_EVAL],
 }
 
 setup(
@@ -67,7 +71,9 @@ setup(
     packages=find_packages(include=["megak3", "megak3.*", "parallel", "parallel.*", "moonep", "moonep.*"]),
     install_requires=RUNTIME,
     extras_require=EXTRAS,
-    entry_points={"console_scripts": ["megak3-train=megak3.train.__main__:main"]},
+    entry_points={"console_scripts": ["megak3-train=megak3.train.__main__:main",
+                                      "megak3-generate=megak3.inference.cli:main",
+                                      "megak3-lm-eval=megak3.inference.lm_eval_adapter:main"]},
     ext_modules=EXT_MODULES,
     cmdclass=CMDCLASS,
 )

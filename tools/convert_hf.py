@@ -10,13 +10,18 @@
 ``export`` reads a per-shard trainer checkpoint (a ``step_XXXXXXXX`` directory or a root holding
 ``latest``) of ANY layout through :class:`megak3.train.shard_store.CheckpointReader` and writes
 OUT_DIR with ``config.json`` (megak3/interop/hf_config.py), ``model-0000k-of-0000N.safetensors``
-shards and ``model.safetensors.index.json``. Names, padding and the per-expert split come from
+shards, ``model.safetensors.index.json`` and the run's ``tokenizer.json`` when one is found beside
+the checkpoint or through its data config (``python -m megak3.generate --checkpoint OUT_DIR``
+then works on the export). Names, padding and the per-expert split come from
 megak3/interop/hf_names.py; routed experts are packed to MXFP4 (``weight_packed`` / ``weight_scale``)
 with megak3.quant.mx, the quantizer of the QAT forward, so the export dequantizes to exactly the
 weights a ``quant.qat=mxfp4_experts`` run computed with (scale rule: --scale-mode, default the
 run's ``quant.scale_mode`` recorded in the checkpoint, else floor); ``quantization_config`` is
-written only then. Other tensors are bf16 (``--dtype fp32`` keeps the masters bit for bit); A_log,
-dt_bias, the short-conv weights and the router bias are always fp32.
+written only then. A checkpoint whose recorded ``quant.qat`` is not ``mxfp4_experts`` had its
+experts trained unquantised: the export then prints one note with the measured relative change
+of the packed experts (``||W_q - W|| / ||W||``, summed over every expert matrix) and points to
+``--experts bf16``. Other tensors are bf16 (``--dtype fp32`` keeps the masters bit for bit); A_log,
+dt_bias, the short-conv weights, the KDA o_norm and the router bias are always fp32.
 
 Streaming: the shard layout is planned from shapes alone, then each shard file is written tensor
 by tensor in slabs of at most 64 MiB of source data (one expert at a time for the packed experts),
@@ -59,7 +64,7 @@ from megak3.config import load_model_config, model_config_from_dict  # noqa: E40
 from megak3.interop.hf_config import to_hf_config  # noqa: E402
 from megak3.interop.hf_names import (  # noqa: E402
     EXPERTS_FORMATS, HFTensor, canonical_shapes, hf_tensors, inventory_totals)
-from megak3.interop.mxfp4_pack import pack_mxfp4  # noqa: E402
+from megak3.interop.mxfp4_pack import pack_mxfp4, unpack_mxfp4  # noqa: E402
 from megak3.metrics.telemetry import peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
 from megak3.train import checkpoint as ckpt  # noqa: E402
 
@@ -155,6 +160,17 @@ def _check_model(reader, shapes: dict, cfg) -> None:
                          "pass the model config the run used")
 
 
+def _run_tokenizer(reader):
+    """The tokenizer.json the run trained with (beside the checkpoint or through its data config, as
+    generation finds it), or None."""
+    from megak3.inference.loading import _tokenizer_for
+
+    try:
+        return Path(_tokenizer_for("megak3", Path(reader.path), (reader.meta or {}).get("config"), None).path)
+    except ValueError:
+        return None
+
+
 def plan_shards(listing, shard_bytes: int) -> list:
     """Greedy, in listing order: a new shard starts when the next tensor would overflow (a tensor
     larger than the limit gets its own shard); an MXFP4 scale stays with its packed half."""
@@ -176,6 +192,12 @@ class _Source:
     def __init__(self, reader, scale_mode: str):
         self.reader, self.scale_mode = reader, scale_mode
         self._pair = None  # (canonical, expert) -> (packed, scale): the pair is packed once
+        self.err_sq = self.ref_sq = 0.0  # sum |unpack(pack(W)) - W|^2 and |W|^2 over the packed experts
+        self.packed_matrices = 0
+
+    def rel_change(self) -> float:
+        """||W_q - W|| / ||W|| (Frobenius, over every packed expert matrix together)."""
+        return (self.err_sq / self.ref_sq) ** 0.5 if self.ref_sq > 0 else 0.0
 
     def _rows(self, key, prefix, rows, tail, out_dtype):
         """Slabs of rows of the box ``prefix + [r0, r0+n) + tail`` (fp32 <= SLAB_BYTES each)."""
@@ -208,6 +230,9 @@ class _Source:
             if self._pair is None or self._pair[0] != tag:
                 w = self.reader.read(key, (t.expert, 0, 0), (1,) + tuple(gshape[1:]))[0].float()
                 self._pair = (tag, pack_mxfp4(w, self.scale_mode, name=t.name.rsplit(".", 1)[0]))
+                self.err_sq += float((unpack_mxfp4(*self._pair[1]) - w).double().square().sum())
+                self.ref_sq += float(w.double().square().sum())
+                self.packed_matrices += 1
             packed, scale = self._pair[1]
             yield packed if t.kind == "packed" else scale
             if t.kind == "scale":
@@ -287,6 +312,9 @@ def export(checkpoint, out_dir, overrides=(), experts: str = "mxfp4", dtype: str
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         hf_cfg = to_hf_config(cfg, experts == "mxfp4", "bfloat16" if dtype == "bf16" else "float32")
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+        tokenizer = _run_tokenizer(reader)
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, tmp / "tokenizer.json")
         peak = peak_rss_bytes()
         os.rename(tmp, out)
     except BaseException:
@@ -298,13 +326,23 @@ def export(checkpoint, out_dir, overrides=(), experts: str = "mxfp4", dtype: str
     largest = max(sum(t.nbytes for t in g) for g in shards)
     stats = {"tensors": len(listing), "shards": len(shards), "bytes": total, "shard_bytes": shard_bytes,
              "largest_shard_bytes": largest, "peak_rss_growth": growth, "seconds": time.perf_counter() - t0,
-             "out": str(out), "scale_mode": mode}
+             "out": str(out), "scale_mode": mode,
+             "experts_rel_change": source.rel_change() if source.packed_matrices else None}
     mib = 2 ** 20
     log(f"wrote {len(listing):,} tensors ({total / mib:,.1f} MiB) in {len(shards)} shard(s) to {out} "
         f"in {stats['seconds']:.1f} s")
+    if tokenizer is None:
+        log(f"note: no tokenizer.json found beside {reader.path} or through its data config; copy the run's "
+            f"tokenizer into {out} to generate from the export")
     if growth is not None:
         log(f"peak RSS growth {growth / mib:,.1f} MiB = {growth / shard_bytes:.2f}x the shard size "
             f"({shard_bytes / mib:,.0f} MiB; largest shard written {largest / mib:,.1f} MiB)")
+    qat = run_quant.get("qat")
+    if source.packed_matrices and qat != "mxfp4_experts":
+        log(f"note: the checkpoint was not trained with MXFP4 QAT (quant.qat={qat or 'not recorded'}), so its "
+            f"routed experts were quantised to MXFP4 only now: they changed by {100 * source.rel_change():.2f}% "
+            f"(||W_q - W|| / ||W|| over {source.packed_matrices:,} expert matrices); export with --experts bf16 "
+            "to keep the trained weights")
     return stats
 
 

@@ -9,8 +9,17 @@ latent-norm eps, training-only knobs such as the QB method) are written under a 
 config.json without it (the release) gets megak3's defaults for them, and the KDA gate rank falls
 back to the KDA head dim (Kimi Linear's convention; K3: 128 = 128).
 
+``bos_token_id``, ``eos_token_id`` and ``tie_word_embeddings`` are written in ``text_config`` and at
+the top level (where the release and ``transformers``' generation defaults read them); an import reads
+``text_config`` first, then the top level. ``vision_config`` carries the keys the release's modeling
+code reads besides the tower's sizes (``mm_projector_type``, ``mm_hidden_size``,
+``projector_hidden_act``, ``projector_ln_eps``, ``merge_type``, ``pos_emb_type``,
+``init_pos_emb_time``); a ``vision_config`` lacking one of :data:`VISION_NEEDED` is a one-line
+ValueError.
+
 ``quantization_config`` (compressed-tensors ``mxfp4-pack-quantized``, 4-bit float weights, groups
-of 32 along the input dim, weights only) is written only when the routed experts are packed, in
+of 32 along the input dim, weights only; ``targets: ["Linear"]`` with the ignore list
+:data:`QUANT_IGNORE`, as the release) is written only when the routed experts are packed, in
 ``text_config`` (where K3_SPEC §1.1 lists it and NEMO reads it) and mirrored at the top level
 (where ``transformers`` looks).
 """
@@ -42,24 +51,50 @@ _EXTRA_FIELDS = ("name", "init_std", "kda.gate_rank", "kda.chunk_size", "kda.use
 """megak3 settings with no field in the release's config.json (written under "megak3")"""
 
 
+VISION_POS_EMB_TIME = 4
+"""``init_pos_emb_time`` of the release (frames of the sin-cos temporal embedding)"""
+
+VISION_NEEDED = ("vt_num_hidden_layers", "vt_hidden_size", "vt_intermediate_size")
+"""vision_config keys with no default: a vision_config without one is refused"""
+
+
+def _first(ids):
+    """``eos_token_id`` may be a list in HF configs: megak3 keeps the first."""
+    return ids[0] if isinstance(ids, list) and ids else ids
+
+
 def _get(cfg, dotted: str):
     for part in dotted.split("."):
         cfg = getattr(cfg, part)
     return cfg
 
 
+QUANT_IGNORE = [
+    "lm_head", r"re:.*lm_head$", r"re:.*self_attn\..*", r"re:.*mlp\.(gate|up|down)_proj$",
+    r"re:.*block_sparse_moe\.gate$", r"re:.*shared_experts\..*", r"re:.*routed_expert_(down|up)_proj$",
+    r"re:.*_res_proj$", r"re:^vision_tower\..*", r"re:^mm_projector\..*",
+]
+"""Linear modules the release leaves unquantised (K3_SPEC §10.1: attention, the dense FFN, router,
+shared experts, the latent down/up projections, AttnRes, lm_head, the vision tower and projector),
+in compressed-tensors' matching: an exact module name, or ``re:`` + a pattern ``re.match``-ed
+against the module name. With ``targets: ["Linear"]`` what is left is exactly the routed experts'
+``w1/w2/w3``."""
+
+
 def quantization_config() -> dict:
-    """compressed-tensors block for MXFP4 routed experts (weights only; activations at runtime)."""
+    """compressed-tensors block for MXFP4 routed experts (weights only; activations at runtime), as
+    the release writes it: every ``Linear`` is targeted and the ignore list leaves the routed
+    experts."""
     return {
         "quant_method": "compressed-tensors",
         "format": "mxfp4-pack-quantized",
         "quantization_status": "compressed",
         "config_groups": {"group_0": {
-            "targets": [r"re:.*block_sparse_moe\.experts\.\d+\.w[123]$"],
+            "targets": ["Linear"],
             "weights": {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group",
                         "group_size": 32, "dynamic": False, "scale_dtype": "torch.uint8"},
             "input_activations": None, "output_activations": None, "format": "mxfp4-pack-quantized"}},
-        "ignore": ["re:.*shared_experts.*", "lm_head"],
+        "ignore": list(QUANT_IGNORE),
         "kv_cache_scheme": None,
     }
 
@@ -93,6 +128,8 @@ def to_hf_config(cfg: ModelConfig, experts_packed: bool, dtype: str = "bfloat16"
         "num_nextn_predict_layers": 0, "torch_dtype": dtype,
     }
     out = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": text,
+           "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+           "tie_word_embeddings": cfg.tie_word_embeddings,
            "media_placeholder_token_id": cfg.media_placeholder_token_id, "pad_token_id": cfg.pad_token_id,
            "ignore_index": -100, "torch_dtype": dtype}
     if cfg.vision.enabled:
@@ -104,7 +141,13 @@ def to_hf_config(cfg: ModelConfig, experts_packed: bool, dtype: str = "bfloat16"
             "vt_intermediate_size": v.intermediate_size, "merge_kernel_size": [v.merge, v.merge],
             "norm_type": "rmsnorm", "attn_bias": False, "linear_bias": False, "patch_embed_proj_bias": False,
             "mlp_type": "mlp2", "activation_func": "gelu_pytorch_tanh", "text_hidden_size": cfg.hidden_size,
-            "media_placeholder_token_id": cfg.media_placeholder_token_id}
+            "media_placeholder_token_id": cfg.media_placeholder_token_id,
+            # keys the release's modeling code reads (K3_SPEC §1.2); megak3's projector is an exact-GELU MLP
+            # over the m x m merge of D-wide patches, its norm's eps the text rms_norm_eps; images are one
+            # frame, where sd2_tpool's temporal pooling and the sin-cos time embedding are identities
+            "mm_projector_type": "patchmergerv2", "mm_hidden_size": v.hidden_size, "projector_hidden_act": "gelu",
+            "projector_ln_eps": cfg.rms_norm_eps, "merge_type": "sd2_tpool", "pos_emb_type": "divided_fixed",
+            "init_pos_emb_time": VISION_POS_EMB_TIME}
     if experts_packed:
         text["quantization_config"] = out["quantization_config"] = quantization_config()
     out["megak3"] = {f: _get(cfg, f) for f in _EXTRA_FIELDS}
@@ -137,8 +180,9 @@ def from_hf_config(d: dict, name: Optional[str] = None) -> ModelConfig:
         "attn_res_block_size": need("attn_res_block_size"), "max_seq_len": t.get("max_position_embeddings", 1048576),
         "rms_norm_eps": t.get("rms_norm_eps", 1e-5), "situ_beta1": t.get("activation_situ_beta", 4.0),
         "situ_beta2": t.get("activation_situ_linear_beta", 25.0), "init_std": t.get("initializer_range", 0.02),
-        "tie_word_embeddings": t.get("tie_word_embeddings", False),
-        "bos_token_id": t.get("bos_token_id", 163584), "eos_token_id": t.get("eos_token_id", 163586),
+        "tie_word_embeddings": t.get("tie_word_embeddings", d.get("tie_word_embeddings", False)),
+        "bos_token_id": t.get("bos_token_id", d.get("bos_token_id", 163584)),
+        "eos_token_id": _first(t.get("eos_token_id", d.get("eos_token_id", 163586))),
         "pad_token_id": t.get("pad_token_id", d.get("pad_token_id", 163839)),
         "media_placeholder_token_id": d.get("media_placeholder_token_id", 163605),
         "kda": {"num_heads": need("num_heads", la), "head_dim": need("head_dim", la),
@@ -155,6 +199,10 @@ def from_hf_config(d: dict, name: Optional[str] = None) -> ModelConfig:
     }
     v = d.get("vision_config")
     if v:
+        for key in VISION_NEEDED:
+            if key not in v:
+                raise ValueError(f"config.json: vision_config has no {key!r}; a Kimi-K3 vision_config needs "
+                                 f"{', '.join(VISION_NEEDED)} (or drop vision_config for a text-only model)")
         heads = v.get("vt_num_attention_heads", 12)
         m = v.get("merge_kernel_size", [2, 2])
         if len(set(m)) != 1:

@@ -33,7 +33,8 @@ is zero and refuses it otherwise.
 
 On-disk dtypes: bf16 by default (``dtype``; fp32 on request, which makes an export -> import round
 trip bit-exact); A_log, dt_bias, the q/k/v short-conv weights and the router's
-e_score_correction_bias are always fp32 (K3_SPEC §1.1 "kept fp32", §7.3); routed experts MXFP4
+e_score_correction_bias and the KDA ``o_norm.weight`` are always fp32 (K3_SPEC §1.1 "kept fp32", §7.3;
+the release's shard headers); routed experts MXFP4
 (``experts="mxfp4"``) or ``dtype`` (``experts="bf16"``, names ``experts.{e}.w1.weight``).
 
 Where this differs from the issue's description or from the release (K3_SPEC wins where they
@@ -156,8 +157,9 @@ LEGACY_GLOBAL = {
 }
 
 FP32_ON_DISK = ("self_attn.A_log", "self_attn.dt_bias", "self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight",
-                "self_attn.v_conv1d.weight", "mlp.gate.e_score_correction_bias")
-"""layer-local tensors always stored fp32 (K3_SPEC §1.1 dtype row, §7.3)"""
+                "self_attn.v_conv1d.weight", "self_attn.o_norm.weight", "mlp.gate.e_score_correction_bias")
+"""layer-local tensors always stored fp32 (K3_SPEC §1.1 dtype row, §7.3; the KDA output norm
+``o_norm.weight`` [dv] as the release's shard headers store it: F32 [128])"""
 
 PADDED = {"self_attn.A_log": "kda.A_log"}
 """layer-local tensor -> padding kind (sizes: :func:`padded_sizes`)"""

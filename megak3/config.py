@@ -211,7 +211,7 @@ class ModelConfig:
         # any finite negative bound is exact on both KDA paths: fla's safe_gate tiles serve [-5, 0)
         # only, below that fla runs its general path (megak3.ops.kda.fla_safe_gate)
         need(math.isfinite(k.gate_lower_bound) and k.gate_lower_bound < 0,
-             f"model.kda.gate_lower_bound={k.gate_lower_bound} must be finite and negative (K3 uses -5.0)")
+             f"model.kda.gate_lower_bound={k.gate_lower_bound} must be negative and finite (K3 uses -5.0)")
         need(v.top_k <= v.num_experts,
              f"model.moe.top_k={v.top_k} must not exceed model.moe.num_experts={v.num_experts}")
         need(v.top_k < v.num_experts or v.balancing == "none",

@@ -20,6 +20,10 @@ by training. Call `install()` with ``TRITON_INTERPRET=1`` set and BEFORE fla is 
 4. ``gather`` in fla's modules is rebound (by `import_fla`) to a function that looks ``tl.gather``
    up when called. fla does ``gather = tl.gather`` at import time, which keeps the unpatched
    builtin; the interpreter swaps the builtins on ``triton.language`` only while a kernel runs.
+5. ``triton.runtime.interpreter.GridExecutor.__call__`` runs under one process-wide lock. The
+   interpreter patches module attributes of ``triton.language`` for the duration of a launch and
+   restores them afterwards, so two threads launching at once (CP ranks on torch's threaded
+   process group) would undo each other's patches.
 
 Not shimmed: the interpreter stores bf16 as uint16 and its ``tl.dot`` on such blocks is wrong, so
 exactness checks under the interpreter use fp32 operands only.
@@ -30,6 +34,7 @@ import ast
 import contextlib
 import os
 import sys
+import threading
 
 _INSTALLED = False
 
@@ -72,8 +77,21 @@ def _loop_counter_shim() -> None:
     interpreter.InterpretedFunction.rewritten_fn.clear()
 
 
+def _serial_launch_shim() -> None:
+    from triton.runtime import interpreter
+
+    lock = threading.RLock()
+    launch = interpreter.GridExecutor.__call__
+
+    def locked_launch(self, *args, **kwargs):
+        with lock:
+            return launch(self, *args, **kwargs)
+
+    interpreter.GridExecutor.__call__ = locked_launch
+
+
 def install() -> None:
-    """Apply shims 1-3 (before fla is imported). Requires ``TRITON_INTERPRET=1``."""
+    """Apply shims 1-3 and 5 (before fla is imported). Requires ``TRITON_INTERPRET=1``."""
     global _INSTALLED
     if _INSTALLED:
         return
@@ -84,6 +102,7 @@ def install() -> None:
     _cpu_device_shim()
     _autotune_shim()
     _loop_counter_shim()
+    _serial_launch_shim()
     _INSTALLED = True
 
 

@@ -5,7 +5,7 @@ Run by tests/test_fla_triton.py in a subprocess, one per fla-core version, with 
 and PYTHONPATH = <triton dir>:<fla-core dir>:<repo> (tools/ci_triton.sh installs both dirs):
 
     TRITON_INTERPRET=1 PYTHONPATH=.cache/triton-interp/triton-3.7.1:.cache/triton-interp/fla-core-0.4.2:. \\
-        python tests/triton/fla_interpret_check.py
+        python tests/fla_interpret_check.py
 
 Every case calls `megak3.ops.kda.kda` (or `kda_cp`, or the KDA layer) with use_fla=True and checks
 that fla's chunk_kda actually ran, then runs the same call with use_fla=False (the torch twin) and
@@ -16,7 +16,7 @@ an initial state; packed documents (cu_seqlens + cu_seqlens_cpu) with initial st
 threaded CP ranks with packed documents (the segment maps: [v | 0] started at [0 | I]); the KDA
 layer with model.kda.gate_lower_bound = -12 on gates near the bound, plus a control showing fla's
 safe_gate tiles (what megak3 used at any bound before) are not finite there. Prints one line per
-check and a JSON summary; exit status 1 when any check fails.
+check and a JSON summary; exit status 1 when any check fails. Arguments: case names to run a subset.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(1, str(ROOT))
 
@@ -261,7 +261,10 @@ def main() -> int:
     print(f"fla-core {version} ({Path(fla.__file__).parent}), triton {triton.__version__}, "
           f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}", flush=True)
     t0 = time.time()
-    for case in (case_dense, case_varlen, case_cp, case_gate_bound_12_ops, case_gate_bound_12_layer):
+    cases = [case_dense, case_varlen, case_cp, case_gate_bound_12_ops, case_gate_bound_12_layer]
+    if len(sys.argv) > 1:   # a subset by name: fla_interpret_check.py case_varlen case_cp
+        cases = [c for c in cases if c.__name__ in sys.argv[1:]]
+    for case in cases:
         t = time.time()
         case()
         print(f"     {case.__name__}: {time.time() - t:.1f} s", flush=True)

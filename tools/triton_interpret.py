@@ -1,6 +1,6 @@
 """Shims that let fla's Triton KDA kernels run under Triton's interpreter on CPU tensors.
 
-Used only by the interpreter check (tools/ci_triton.sh -> tests/triton/fla_interpret_check.py), never
+Used only by the interpreter check (tools/ci_triton.sh -> tests/fla_interpret_check.py), never
 by training. Call `install()` with ``TRITON_INTERPRET=1`` set and BEFORE fla is imported, then
 `import_fla()`; both are idempotent. Written for triton 3.7.1 (torch 2.13's pin) and fla-core
 0.4.2 / 0.5.x. What each shim patches, and why:

@@ -183,7 +183,7 @@ def test_fla_kernels_under_triton_interpreter(fla_version):
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": os.pathsep.join([str(dirs[0]), str(dirs[1]), str(ROOT)])}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fla_interpret_check.py")],
-                          env=env, capture_output=True, text=True, timeout=900)
+                          env=env, capture_output=True, text=True, timeout=540)
     out = proc.stdout + proc.stderr
     print(out[-6000:])
     assert f"fla-core {fla_version} " in out, out[-3000:]

@@ -13,11 +13,11 @@ cd "$root"
 py="${PYTHON:-.venv/bin/python}"
 dest="${MEGAK3_TRITON_PACKAGES:-$root/.cache/triton-interp}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-install() {  # install <dir name> <requirement>
+install() {  # install <dir name> <requirement checked> [more requirements]
   local dir="$dest/$1"
   if [ -f "$dir/.installed" ]; then return; fi
   rm -rf "$dir"
-  "$py" -m pip install -q --no-deps -c tools/constraints.txt --target "$dir" "$2" 2>&1 | grep -v "^WARNING: Location" || true
+  "$py" -m pip install -q --no-deps -c tools/constraints.txt --target "$dir" "${@:2}" 2>&1 | grep -v "^WARNING: Location" || true
   "$py" - "$dir" "$2" <<'PY'
 import importlib.metadata as md, sys
 name, version = sys.argv[2].split("==")
@@ -28,6 +28,7 @@ PY
   touch "$dir/.installed"
 }
 install "triton-$TRITON_VERSION" "triton==$TRITON_VERSION"
-for v in $FLA_VERSIONS; do install "fla-core-$v" "fla-core==$v"; done
+# fla-core needs einops (and packaging, which the venv has); --no-deps keeps torch out
+for v in $FLA_VERSIONS; do install "fla-core-$v" "fla-core==$v" "einops==0.8.2"; done
 MEGAK3_TRITON_PACKAGES="$dest" MEGAK3_REQUIRE_TRITON=1 "$py" -m pytest -q -p no:cacheprovider -n 2 \
   tests/test_fla_triton.py -k triton_interpreter

@@ -7,6 +7,7 @@ The dataclasses are the schema; the values of named presets live in ``conf/model
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
@@ -27,7 +28,8 @@ class KDAConfig:
     gate_rank: int = 128
     """rank of the low-rank decay-gate projection f_a: d -> rank -> H*dk"""
     gate_lower_bound: float = -5.0
-    """g_min in g = g_min * sigmoid(exp(A_log) * (z + dt_bias)); log-decay per token lies in (g_min, 0)"""
+    """g_min in g = g_min * sigmoid(exp(A_log) * (z + dt_bias)); log-decay per token lies in (g_min, 0).
+    Finite and negative; fla's safe_gate tiles are used only for g_min >= -5"""
     chunk_size: int = 64
     """chunk length of the chunkwise-parallel (WY/UT) KDA algorithm"""
     use_fla: bool = True
@@ -206,7 +208,10 @@ class ModelConfig:
                           ("moe.latent_size", v.latent_size)):
             need(val > 0, f"model.{name}={val} must be positive")
         need(m.qk_rope_head_dim >= 0, f"model.mla.qk_rope_head_dim={m.qk_rope_head_dim} must be >= 0")
-        need(k.gate_lower_bound < 0, f"model.kda.gate_lower_bound={k.gate_lower_bound} must be negative (K3 uses -5.0)")
+        # any finite negative bound is exact on both KDA paths: fla's safe_gate tiles serve [-5, 0)
+        # only, below that fla runs its general path (megak3.ops.kda.fla_safe_gate)
+        need(math.isfinite(k.gate_lower_bound) and k.gate_lower_bound < 0,
+             f"model.kda.gate_lower_bound={k.gate_lower_bound} must be negative and finite (K3 uses -5.0)")
         need(v.top_k <= v.num_experts,
              f"model.moe.top_k={v.top_k} must not exceed model.moe.num_experts={v.num_experts}")
         need(v.top_k < v.num_experts or v.balancing == "none",

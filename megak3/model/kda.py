@@ -13,6 +13,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.kda import kda, kda_gate
+from ..ops.kda_cp import kda_cp
 from .norm import RMSNorm
 from .recompute import segment
 from .seqinfo import SeqInfo
@@ -112,15 +113,20 @@ class KimiDeltaAttention(nn.Module):
 
     def _core(self, q, k, v, g, beta, seq: SeqInfo):
         B, T, H, K = q.shape
-        if seq.cp is not None:
-            return seq.cp.kda(q, k, v, g, beta, chunk_size=self.chunk_size, use_fla=self.use_fla)
+        # the gate bound g was built with decides fla's safe_gate tiles (megak3.ops.kda.fla_safe_gate);
+        # the host offsets spare fla a device read, and the same offset tensors every layer keep its cache
+        opts = dict(chunk_size=self.chunk_size, use_fla=self.use_fla, lower_bound=self.lower_bound)
+        if seq.cp is not None:  # the shard's group and local documents (parallel/context_parallel.py)
+            cp = seq.cp
+            o, _ = kda_cp(q, k, v, g, beta, cp.group, cu_seqlens=cp.cu_seqlens, continues=cp.continues,
+                          cu_seqlens_cpu=seq.cu_seqlens_host if cp.cu_seqlens is not None else None, **opts)
+            return o
         if seq.packed:  # documents are delimited on the flattened stream; state resets per document
             flat = lambda t: t.reshape(1, B * T, *t.shape[2:])
             o, _ = kda(flat(q), flat(k), flat(v), flat(g), flat(beta), cu_seqlens=seq.cu_seqlens,
-                       cu_seqlens_cpu=seq.cu_seqlens_host,
-                       chunk_size=self.chunk_size, use_fla=self.use_fla)
+                       cu_seqlens_cpu=seq.cu_seqlens_host, **opts)
             return o.reshape(B, T, H, K)
-        o, _ = kda(q, k, v, g, beta, chunk_size=self.chunk_size, use_fla=self.use_fla)
+        o, _ = kda(q, k, v, g, beta, **opts)
         return o
 
     def _output(self, o, x_BTD: torch.Tensor):

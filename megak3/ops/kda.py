@@ -90,6 +90,8 @@ M chunks, C positions in a chunk, J sub-chunks in a chunk, S positions in a sub-
 from __future__ import annotations
 
 import functools
+import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -627,6 +629,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 # ------------------------------------------------------------------------------------- dispatcher
 _FLA_CHUNK_KDA = None
 _FLA_TRIED = False
+FLA_SAFE_GATE_MIN = -5.0  # fla's safe_gate tiles assume g in [-5, 0) (fla's chunk_kda docstring)
+_FLA_OFFSETS: dict = {}  # id(offsets given) -> (weakref to it, its int64 copy handed to fla)
 
 
 def _fla_chunk_kda():
@@ -642,20 +646,52 @@ def _fla_chunk_kda():
     return _FLA_CHUNK_KDA
 
 
+def _fla_runs_on(x: torch.Tensor) -> bool:
+    """fla's kernels take CUDA tensors, or CPU tensors under Triton's interpreter (TRITON_INTERPRET=1,
+    the CI check of tools/ci_triton.sh)."""
+    return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def fla_safe_gate(lower_bound: float | None) -> bool:
+    """Whether fla may use its safe_gate tiles for gates built with ``lower_bound``: only inside
+    fla's safe range [-5, 0). Below it their in-tile decay factors overflow fp32 (NaN/inf output at
+    a bound of -12), so fla runs its general path, which is exact for any g <= 0."""
+    return lower_bound is not None and FLA_SAFE_GATE_MIN <= lower_bound < 0
+
+
+def _fla_offsets(cu: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """``cu`` as int64 on ``device``, the same tensor object for the same ``cu`` on every call (fla
+    caches its chunk indices by the identity of the offsets it is given; a fresh ``.long()`` per
+    call would rebuild them, and read them back from the device, in every layer)."""
+    if cu is None or (cu.dtype == torch.int64 and cu.device == device):
+        return cu
+    hit = _FLA_OFFSETS.get(id(cu))
+    if hit is not None and hit[0]() is cu and hit[1].device == device:
+        return hit[1]
+    key = id(cu)
+    ref = weakref.ref(cu, lambda _, key=key: _FLA_OFFSETS.pop(key, None))
+    _FLA_OFFSETS[key] = (ref, cu.to(device=device, dtype=torch.int64))
+    return _FLA_OFFSETS[key][1]
+
+
 def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
         chunk_size=64, use_fla=True, lower_bound=-5.0, cu_seqlens_cpu=None):
-    """KDA entry point: fla's Triton `chunk_kda` on CUDA when importable, else `chunk_kda` here.
+    """KDA entry point: fla's Triton `chunk_kda` where it runs (`_fla_runs_on`) and is importable,
+    else `chunk_kda` here.
 
     Arguments as `chunk_kda`. q/k must already be L2-normalised and g precomputed by `kda_gate`
     (so fla runs with use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False). `lower_bound` is the
-    gate bound g was built with; it enables fla's safe_gate tiles (K3_SPEC §4.4); None disables them.
-    fla always uses chunk size 64 (chunk_size only affects the torch path). `cu_seqlens_cpu`: the
-    same offsets on the host (fla sizes its chunk index from it without reading the device; the
-    torch path takes its document layout from it). fla (``fla-core>=0.4.2``: safe_gate,
-    lower_bound and cu_seqlens_cpu) gets q, k, v and beta in the CUDA autocast dtype (bf16 in
-    training), g and the state in fp32.
+    gate bound g was built with (the layer passes model.kda.gate_lower_bound): fla's safe_gate tiles
+    (K3_SPEC §4.4) are used when it lies in [-5, 0) (`fla_safe_gate`), fla's general path otherwise
+    or when it is None. fla always uses chunk size 64 (chunk_size only affects the torch path).
+    `cu_seqlens_cpu`: the same offsets on the host (fla sizes its chunk index from it without
+    reading the device; the torch path takes its document layout from it). Offsets are handed to
+    fla as int64 tensors (cu_seqlens on q's device) that keep their identity from call to call for
+    the same input tensor (`_fla_offsets`). fla (``fla-core>=0.4.2``: safe_gate, lower_bound and
+    cu_seqlens_cpu) gets q, k, v and beta in the CUDA autocast dtype (bf16 in training), g and the
+    state in fp32.
     """
-    fla_fn = _fla_chunk_kda() if (use_fla and q.is_cuda) else None
+    fla_fn = _fla_chunk_kda() if (use_fla and _fla_runs_on(q)) else None
     if fla_fn is None:
         return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state,
@@ -670,6 +706,6 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
         return fla_fn(q, k, v, g.float(), beta, scale=scale,
                       initial_state=None if initial_state is None else initial_state.float(),
                       output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
-                      use_gate_in_kernel=False, safe_gate=lower_bound is not None, lower_bound=lower_bound,
-                      cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),
-                      cu_seqlens_cpu=None if cu_seqlens_cpu is None else cu_seqlens_cpu.long())
+                      use_gate_in_kernel=False, safe_gate=fla_safe_gate(lower_bound), lower_bound=lower_bound,
+                      cu_seqlens=_fla_offsets(cu_seqlens, q.device),
+                      cu_seqlens_cpu=_fla_offsets(cu_seqlens_cpu, torch.device("cpu")))

@@ -291,8 +291,9 @@ def _row_docs(offsets, B: int, T: int):
     return first, last
 
 
-def _local_pass(q, k, v, g, beta, offsets, carried_docs, scale, chunk_size, use_fla):
-    """One `kda` call over the local segment.
+def _local_pass(q, k, v, g, beta, cu, cu_cpu, carried_docs, scale, chunk_size, use_fla, lower_bound):
+    """One `kda` call over the local segment; `cu`, `cu_cpu`: the local offsets as given to `kda_cp`
+    (handed to `kda` as they are, so fla's offset cache sees the same tensors every layer).
 
     Returns (o0 `[B,T,H,V]` for zero incoming state, u `[B,T,H,K]` or None, E `[N,H,K,V]`,
     P `[N,H,K,K]` or None): u and P are the identity-started columns (zero outside carried_docs).
@@ -300,10 +301,9 @@ def _local_pass(q, k, v, g, beta, offsets, carried_docs, scale, chunk_size, use_
     B, T, H, K = q.shape
     Vd = v.shape[-1]
     cdt = torch.float64 if any(t.dtype == torch.float64 for t in (q, k, v, g, beta)) else torch.float32
-    packed = offsets is not None
-    N = len(offsets) - 1 if packed else B
+    packed = cu is not None
+    N = cu.numel() - 1 if packed else B
     flat = (lambda t: t.reshape(1, B * T, *t.shape[2:])) if packed else (lambda t: t)
-    cu = torch.tensor(offsets, dtype=torch.int32, device=q.device) if packed else None
     if carried_docs:
         v_in = torch.cat([v.to(cdt), v.new_zeros(B, T, H, K, dtype=cdt)], -1)
         init = q.new_zeros(N, H, K, Vd + K, dtype=cdt)
@@ -313,22 +313,25 @@ def _local_pass(q, k, v, g, beta, offsets, carried_docs, scale, chunk_size, use_
     else:
         v_in, init = v.to(cdt), None
     o, fin = kda(flat(q), flat(k), flat(v_in), flat(g), flat(beta), scale=scale, initial_state=init,
-                 output_final_state=True, cu_seqlens=cu, chunk_size=chunk_size, use_fla=use_fla)
+                 output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, chunk_size=chunk_size,
+                 use_fla=use_fla, lower_bound=lower_bound)
     o = o.reshape(B, T, H, -1)
     if not carried_docs:
         return o, None, fin, None
     return o[..., :Vd], o[..., Vd:], fin[..., :Vd], fin[..., Vd:]
 
 
-def segment_affine_map(k, v, g, beta, chunk_size: int = 64, use_fla: bool = False):
+def segment_affine_map(k, v, g, beta, chunk_size: int = 64, use_fla: bool = False,
+                       lower_bound: Optional[float] = -5.0):
     """Affine state map of whole unpacked segments: S_out = M S_in + E per row and head.
 
-    Args: k `[B,T,H,K]`, v `[B,T,H,V]`, g `[B,T,H,K]`, beta `[B,T,H]` (q is not needed: zeros are used).
+    Args: k `[B,T,H,K]`, v `[B,T,H,V]`, g `[B,T,H,K]`, beta `[B,T,H]` (q is not needed: zeros are used);
+        chunk_size, use_fla, lower_bound: passed to `kda`.
     Returns: (M `[B,H,K,K]`, E `[B,H,K,V]`), from one `kda` call on [v | 0] started at [0 | I].
     """
     B = k.shape[0]
-    _, _, E, P = _local_pass(torch.zeros_like(k), k, v, g, beta, None, list(range(B)), None,
-                             chunk_size, use_fla)
+    _, _, E, P = _local_pass(torch.zeros_like(k), k, v, g, beta, None, None, list(range(B)), None,
+                             chunk_size, use_fla, lower_bound)
     return P, E
 
 
@@ -336,7 +339,8 @@ def segment_affine_map(k, v, g, beta, chunk_size: int = 64, use_fla: bool = Fals
 def kda_cp(q, k, v, g, beta, group, *, cu_seqlens: Optional[torch.Tensor] = None,
            continues: Optional[Sequence[bool]] = None, scale: Optional[float] = None,
            initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
-           chunk_size: int = 64, use_fla: bool = False):
+           chunk_size: int = 64, use_fla: bool = False, lower_bound: Optional[float] = -5.0,
+           cu_seqlens_cpu: Optional[torch.Tensor] = None):
     """KDA of this CP rank's segment with the exact incoming state of the ranks before it.
 
     Args:
@@ -351,7 +355,10 @@ def kda_cp(q, k, v, g, beta, group, *, cu_seqlens: Optional[torch.Tensor] = None
         scale: query scale, default K**-0.5.
         initial_state: `[B,H,K,V]` state entering the first token of every row; only rank 0 may pass it.
         output_final_state: also return the state after every local document.
-        chunk_size, use_fla: passed to `kda`.
+        chunk_size, use_fla, lower_bound: passed to `kda` (lower_bound: the bound g was built with).
+        cu_seqlens_cpu: the same offsets on the host (the layer passes `SeqInfo.cu_seqlens_host`):
+            the document layout is read from it instead of from `cu_seqlens`, and both are passed
+            to `kda` unchanged (fla's cu_seqlens / cu_seqlens_cpu).
     Returns:
         (o `[B,T,H,V]` in v.dtype, final `[N,H,K,V]` (N = B, or documents in cu_seqlens) in the compute
         dtype, or None). Equal to `kda` over the concatenated segments (same documents and initial
@@ -369,7 +376,10 @@ def kda_cp(q, k, v, g, beta, group, *, cu_seqlens: Optional[torch.Tensor] = None
                          f"got {tuple(initial_state.shape)}")
     offsets = None
     if cu_seqlens is not None:
-        offsets = [int(x) for x in cu_seqlens.tolist()]
+        if cu_seqlens_cpu is not None and cu_seqlens_cpu.numel() != cu_seqlens.numel():
+            raise ValueError(f"kda_cp: cu_seqlens_cpu has {cu_seqlens_cpu.numel()} offsets, cu_seqlens "
+                             f"{cu_seqlens.numel()}; pass the same offsets on the host")
+        offsets = [int(x) for x in (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).tolist()]
         if offsets[0] != 0 or offsets[-1] != B * T or any(b < a for a, b in zip(offsets, offsets[1:])):
             raise ValueError(f"kda_cp: cu_seqlens must be non-decreasing offsets [0, ..., B*T={B * T}], "
                              f"got {offsets}")
@@ -394,12 +404,14 @@ def kda_cp(q, k, v, g, beta, group, *, cu_seqlens: Optional[torch.Tensor] = None
             init_n = init_n.index_copy(0, torch.tensor(first, device=q.device), initial_state)
         flat = (lambda t: t.reshape(1, B * T, *t.shape[2:])) if offsets is not None else (lambda t: t)
         o, fin = kda(flat(q), flat(k), flat(v), flat(g), flat(beta), scale=scale, initial_state=init_n,
-                     output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-                     use_fla=use_fla)
+                     output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                     cu_seqlens_cpu=cu_seqlens_cpu if offsets is not None else None, chunk_size=chunk_size,
+                     use_fla=use_fla, lower_bound=lower_bound)
         return o.reshape(B, T, H, Vd), fin
 
     carried_docs = [first[b] for b in carried_rows]
-    o0, u, E, P = _local_pass(q, k, v, g, beta, offsets, carried_docs, scale, chunk_size, use_fla)
+    o0, u, E, P = _local_pass(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu if offsets is not None else None,
+                              carried_docs, scale, chunk_size, use_fla, lower_bound)
     cdt = E.dtype
     last_idx = torch.tensor(last, device=q.device)
     E_last = E.index_select(0, last_idx)                                              # [B,H,K,V]

@@ -118,10 +118,14 @@ class CPShard:
         halo = exchange_conv_halo(x_BTP, W, self.group)
         return conv(torch.cat([halo, x_BTP], 1), self._conv_seq[W])[:, W - 1:]
 
-    def kda(self, q, k, v, g, beta, chunk_size: int, use_fla: bool) -> torch.Tensor:
-        """KDA output of this segment with the exact incoming state of the ranks before it."""
+    def kda(self, q, k, v, g, beta, chunk_size: int, use_fla: bool, lower_bound: float = -5.0,
+            cu_seqlens_cpu=None) -> torch.Tensor:
+        """KDA output of this segment with the exact incoming state of the ranks before it.
+        ``lower_bound``: the gate bound g was built with (fla's safe_gate choice); ``cu_seqlens_cpu``:
+        host offsets of the local documents (used only when the segment holds document cuts)."""
         o, _ = kda_cp(q, k, v, g, beta, self.group, cu_seqlens=self.cu_seqlens, continues=self.continues,
-                      chunk_size=chunk_size, use_fla=use_fla)
+                      chunk_size=chunk_size, use_fla=use_fla, lower_bound=lower_bound,
+                      cu_seqlens_cpu=cu_seqlens_cpu if self.cu_seqlens is not None else None)
         return o
 
     def gather_keys(self, c_BTL: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,6 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.kda import kda, kda_gate
-from ..ops.kda_cp import kda_cp
 from .norm import RMSNorm
 from .recompute import segment
 from .seqinfo import SeqInfo
@@ -117,10 +116,7 @@ class KimiDeltaAttention(nn.Module):
         # the host offsets spare fla a device read, and the same offset tensors every layer keep its cache
         opts = dict(chunk_size=self.chunk_size, use_fla=self.use_fla, lower_bound=self.lower_bound)
         if seq.cp is not None:  # the shard's group and local documents (parallel/context_parallel.py)
-            cp = seq.cp
-            o, _ = kda_cp(q, k, v, g, beta, cp.group, cu_seqlens=cp.cu_seqlens, continues=cp.continues,
-                          cu_seqlens_cpu=seq.cu_seqlens_host if cp.cu_seqlens is not None else None, **opts)
-            return o
+            return seq.cp.kda(q, k, v, g, beta, cu_seqlens_cpu=seq.cu_seqlens_host, **opts)
         if seq.packed:  # documents are delimited on the flattened stream; state resets per document
             flat = lambda t: t.reshape(1, B * T, *t.shape[2:])
             o, _ = kda(flat(q), flat(k), flat(v), flat(g), flat(beta), cu_seqlens=seq.cu_seqlens,

@@ -224,6 +224,7 @@ class PipelineEngine:
         self.peak_activation_bytes = 0
         self.p2p_bytes_per_mb = {"F": 0, "B": 0}
         self.store = WeightGradStore()
+        self._plans: Dict[tuple, List[List[tuple]]] = {}
 
     # ---- topology --------------------------------------------------------------------------------
     def _v(self, chunk: int) -> int:
@@ -241,7 +242,10 @@ class PipelineEngine:
 
     # ---- communication ---------------------------------------------------------------------------
     def _plan_messages(self, schedule: List[List[Action]], split_w: bool) -> None:
-        self._posts = message_plan(schedule, self.p, self.vp, self.r, split_w)
+        key = (tuple(map(tuple, schedule)), split_w)  # a step's plan is reused by every later step
+        if key not in self._plans:
+            self._plans[key] = message_plan(schedule, self.p, self.vp, self.r, split_w)
+        self._posts = self._plans[key]
         self._posted: Dict[tuple, tuple] = {}
         self._outbox: Dict[tuple, list] = {}
         self._local: Dict[tuple, list] = {}

@@ -34,7 +34,6 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
-import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 

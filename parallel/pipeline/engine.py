@@ -43,7 +43,7 @@ from __future__ import annotations
 import bisect
 import time
 from datetime import timedelta
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Sequence, Union
 
 import torch
 import torch.distributed as dist

@@ -27,7 +27,7 @@ from megak3.model.k3 import build_model
 from megak3.ops import weight_grad
 from parallel.nccl_semantics import NcclP2P, P2PModel, replay
 from parallel.parity import PARITY_MODEL, global_batch, local_rows
-from parallel.pipeline import PipelineEngine, build_schedule, keep_stage, rank_chunks
+from parallel.pipeline import Action, PipelineEngine, build_schedule, keep_stage, rank_chunks
 from parallel.pipeline import engine  # message_plan, tag_name (absent at 8d54860: looked up when used)
 from parallel.pipeline.schedules import splits_weight_grad
 from parallel.testing import run_threaded
@@ -109,24 +109,28 @@ def _engine_cases(cases, m, timeout_s=60.0):
             eng = PipelineEngine(model, mine, group, schedule=schedule, batch_p2p=batch, timeout_s=timeout_s)
             mbs, n = _micro_batches(m)
             loss, _ = eng.train_step(mbs, n)
+            eval_loss, eval_tokens = eng.forward_only(mbs)  # the evaluation schedule, same weights
             out[(schedule, batch)] = (float(loss), {k: p.grad.clone() for k, p in model.named_parameters()
-                                                    if p.grad is not None})
+                                                    if p.grad is not None}, eval_loss, eval_tokens)
         return out
     return fn
 
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_every_schedule_completes_under_nccl_semantics(pp, thread_stores):
-    """k3_tiny, m = 4, vp = 2 for interleaved_1f1b; blocks split where pp * vp needs it."""
+    """k3_tiny, m = 4, vp = 2 for interleaved_1f1b; blocks split where pp * vp needs it; then
+    forward_only (evaluation) over the same micro-batches."""
     m, cases = 4, [(s, b) for s in SCHEDS for b in (False, True)]
     with NcclP2P(pp, tag_name=_names(2 * pp)):
         res = run_threaded(pp, _engine_cases(cases, m), timeout=240)
     ref_loss, ref_grads = _reference(m)
+    n = _micro_batches(m)[1]
     for case in cases:
         seen = set()
         for rank, by_case in enumerate(res):
-            loss, grads = by_case[case]
+            loss, grads, eval_loss, eval_tokens = by_case[case]
             assert abs(loss - ref_loss) <= RTOL * abs(ref_loss), (case, rank, loss, ref_loss)
+            assert abs(eval_loss - ref_loss) <= RTOL * abs(ref_loss) and eval_tokens == n, (case, rank, eval_loss)
             for k, g in grads.items():
                 diff, scale = float((g - ref_grads[k]).norm()), float(ref_grads[k].norm())
                 assert diff <= RTOL * scale + ATOL, (case, rank, k, diff, scale)
@@ -135,11 +139,15 @@ def test_every_schedule_completes_under_nccl_semantics(pp, thread_stores):
 
 
 def _programs(name, p, m, vp, batched, tensors=2):
-    """Every rank's posts and waits as the engine makes them, from its message plan (replay format)."""
-    sched = build_schedule(name, p, m, vp)
+    """Every rank's posts and waits as the engine makes them, from its message plan (replay format).
+    name "eval": PipelineEngine.forward_only's schedule."""
+    if name == "eval":
+        sched = [[Action("F", c, i) for i in range(m) for c in range(vp)]] * p
+    else:
+        sched = build_schedule(name, p, m, vp)
     V, progs = p * vp, []
     for r in range(p):
-        plan = engine.message_plan(sched, p, vp, r, splits_weight_grad(name))
+        plan = engine.message_plan(sched, p, vp, r, name != "eval" and splits_weight_grad(name))
         prog, launch_of, n = [], {}, 0
         for k in range(len(sched[r]) + 1):
             ops = []
@@ -164,12 +172,12 @@ def _programs(name, p, m, vp, batched, tensors=2):
     return progs
 
 
-@pytest.mark.parametrize("name", SCHEDS)
+@pytest.mark.parametrize("name", SCHEDS + ("eval",))
 def test_message_plan_never_deadlocks(name):
     """The engine's plan, replayed under the strict model (one stream per rank), for pp up to 8,
     m up to 3 pp and vp up to 3; also as one unbatched op per tensor."""
     for p in (2, 3, 4, 8):
-        for vp in ((2, 3) if name == "interleaved_1f1b" else (1, 2) if name == "afab" else (1,)):
+        for vp in ((2, 3) if name == "interleaved_1f1b" else (1, 2) if name in ("afab", "eval") else (1,)):
             for m in sorted({p, 2 * p, 3 * p} | ({1, p + 1} if name != "interleaved_1f1b" else set())):
                 for batched in (True, False):
                     got = replay(_programs(name, p, m, vp, batched), "rank", _names(p * vp))

@@ -168,8 +168,9 @@ def replay(programs: Sequence[Sequence[list]], streams: str = "rank",
            tag_name: Optional[Callable[[int], str]] = None) -> Optional[str]:
     """Run recorded per-rank programs under NCCL semantics, without tensors. A program item is
     ``["P", [[is_send, peer, tag, numel], ...], batched]`` (post a launch) or ``["W", i]`` (wait for
-    the rank's i-th launch). Returns None when every program finishes, else the deadlock's
-    description (:meth:`P2PModel.blocked`)."""
+    the rank's i-th launch). Returns None when every program finishes and every launch completed
+    (a send never received is an error too, as NCCL would hang on it), else a description of what
+    is stuck (:meth:`P2PModel.blocked`)."""
     model = P2PModel(len(programs), streams, "nccl", tag_name)
     pos = [0] * len(programs)
     waiting: Dict[int, _Launch] = {}
@@ -193,7 +194,10 @@ def replay(programs: Sequence[Sequence[list]], streams: str = "rank",
         if model.error is not None:
             raise model.error
         if all(p == len(prog) for p, prog in zip(pos, programs)):
-            return None
+            model.progress()
+            if all(launch.done for mine in model.launches for launch in mine):
+                return None
+            return "every program ended with launches unmatched:\n" + model.blocked(waiting)
         if not moved and not model.progress():
             return model.blocked(waiting)
 

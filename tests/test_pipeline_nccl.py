@@ -254,6 +254,11 @@ def test_fabric_matches_by_order_and_reports_mismatch():
     m.post(1, [(False, 0, torch.zeros(2), 9, (2,))], batched=False)
     m.progress()
     assert m.error is not None and "wrong tensor" in str(m.error)
+    # both ranks send, then receive: a deadlock one op at a time, fine as one group each
+    one_by_one = [[["P", [[1, 1 - r, 1, 4]], 0], ["P", [[0, 1 - r, 1, 4]], 0], ["W", 1]] for r in range(2)]
+    grouped = [[["P", [[1, 1 - r, 1, 4], [0, 1 - r, 1, 4]], 1], ["W", 0]] for r in range(2)]
+    assert "unmatched send" in replay(one_by_one) and replay(grouped) is None
+    assert "ended with launches unmatched" in replay([[["P", [[1, 1, 1, 4]], 0]], []])  # never received
 
 
 def _record(path, commit):

@@ -212,7 +212,7 @@ def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False) -> 
 
 
 def _vocab_parallel_loss(logits_local, labels, group):
-    n = int((labels != -100).sum())
+    n = (labels != -100).sum()  # a device tensor, as token_loss_sum's (no host read per micro-batch)
     loss = vocab_parallel_cross_entropy(logits_local.reshape(-1, logits_local.shape[-1]).float(),
                                         labels.reshape(-1), group, ignore_index=-100, reduction="sum")
     return loss, n

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from torch.distributed import ProcessGroup
 from parallel.config import ParallelConfig
 from parallel.grid import Layout
 
-__all__ = ["AXES", "ParallelState", "destroy_parallel", "init_parallel"]
+__all__ = ["AXES", "ParallelState", "destroy_parallel", "init_parallel", "local_device_index", "select_cuda_device"]
 
 AXES = ("tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "tp_dp_cp", "etp", "ep", "edp", "ep_etp")
 """attribute prefixes of ParallelState; grid.py spells composites with '-' (dp_cp <-> 'dp-cp')"""
@@ -98,6 +98,45 @@ def _grid_groups(layout: Layout) -> dict:
     return out
 
 
+def local_device_index(env: Mapping[str, str], device_count: int) -> int:
+    """The CUDA device index this rank drives: ``LOCAL_RANK`` (torchrun, or the sbatch script's srun
+    mode), else ``SLURM_LOCALID`` (a plain ``srun`` task without torchrun), else
+    ``RANK % device_count``. With one visible device (a per-task GPU binding such as
+    ``CUDA_VISIBLE_DEVICES`` or ``--gpus-per-task=1``) it is 0 whatever the local rank.
+
+    Raises ValueError (naming the variable) when the local rank is not an integer or exceeds the
+    visible devices: two ranks on one GPU fail later inside NCCL with a less useful message."""
+    if device_count < 1:
+        raise ValueError("parallel.backend=nccl but no CUDA device is visible to this process; check "
+                         "CUDA_VISIBLE_DEVICES or use parallel.backend=gloo")
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        if env.get(name, "").strip() != "":
+            try:
+                local = int(env[name])
+            except ValueError:
+                raise ValueError(f"{name}={env[name]!r} must be an integer (the rank's index on its node)") from None
+            break
+    else:
+        return int(env.get("RANK", "0") or 0) % device_count
+    if device_count == 1:
+        return 0
+    if not 0 <= local < device_count:
+        raise ValueError(f"{name}={local} but this node has {device_count} visible CUDA devices: start at most "
+                         f"{device_count} ranks per node (launcher.gpus_per_node / --nproc-per-node)")
+    return local
+
+
+def select_cuda_device(env: Optional[Mapping[str, str]] = None) -> torch.device:
+    """``torch.cuda.set_device`` to :func:`local_device_index` and return that device. Under NCCL
+    every rank must do this before its first collective: NCCL communicators, the object
+    collectives (``all_gather_object``, ``broadcast_object_list``: they stage on
+    ``torch.cuda.current_device()``) and a model placed on ``torch.device("cuda")`` all use the
+    current device, which is GPU 0 until it is set."""
+    index = local_device_index(os.environ if env is None else env, torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 def _resolve_backend(backend: str) -> str:
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
@@ -132,8 +171,8 @@ def init_parallel(cfg: ParallelConfig, backend: Optional[str] = None,
     if world_size == 1 and not dist.is_initialized():
         return ParallelState(layout=layout)
     if not dist.is_initialized():
-        if backend == "nccl" and "LOCAL_RANK" in os.environ:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        if backend == "nccl":  # before the communicators exist (see select_cuda_device)
+            select_cuda_device()
         dist.init_process_group(backend, init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=timeout)
 

@@ -23,6 +23,7 @@ keeps a signal that arrives while a rank is still starting up for the handler.
 """
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Iterable, Optional
@@ -126,6 +127,17 @@ class PreemptionHandler:
     def signal_name(self) -> str:
         return signal.Signals(self.signal_received).name if self.signal_received is not None else ""
 
+    @staticmethod
+    def flag_device(backend: str) -> torch.device:
+        """Where the flag lives without an explicit ``device``: this rank's selected GPU under NCCL
+        (parallel.state.local_device_index, as init_parallel selects it; not the current device,
+        which is GPU 0 in a process that never set it), else the CPU."""
+        if backend != "nccl":
+            return torch.device("cpu")
+        from parallel.state import local_device_index
+
+        return torch.device("cuda", local_device_index(os.environ, torch.cuda.device_count()))
+
     def requested(self) -> bool:
         """True on every rank iff some rank got a signal. Collective over ``group``: every rank
         must call it at the same points (after each optimizer step). One all-reduce of one int."""
@@ -135,8 +147,7 @@ class PreemptionHandler:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             device = self.device
             if device is None:
-                device = torch.device("cuda", torch.cuda.current_device()) \
-                    if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+                device = self.flag_device(dist.get_backend(self.group))
             t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
             flag = bool(t.item())

@@ -116,9 +116,11 @@ class GPUTelemetry:
 
     @staticmethod
     def _device_handle(pynvml, cuda_index: Optional[int]):
-        if cuda_index is None:
-            cuda_index = (torch.cuda.current_device() if torch.cuda.is_available()
-                          else int(os.environ.get("LOCAL_RANK", 0)))
+        if cuda_index is None:  # this rank's GPU, chosen as init_parallel chose it (LOCAL_RANK, SLURM_LOCALID, ...)
+            from parallel.state import local_device_index
+
+            count = torch.cuda.device_count() if torch.cuda.is_available() else pynvml.nvmlDeviceGetCount()
+            cuda_index = local_device_index(os.environ, count)
         if torch.cuda.is_available():
             try:
                 uuid = str(torch.cuda.get_device_properties(cuda_index).uuid)

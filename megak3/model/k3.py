@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +34,8 @@ class K3Output:
     """mean next-token cross entropy over labels != -100 (None without labels)"""
     loss_sum: Optional[torch.Tensor]
     """summed token losses (for exact averaging over micro-batches / ranks)"""
-    num_tokens: int
-    """number of labelled tokens"""
+    num_tokens: Union[torch.Tensor, int]
+    """number of labelled tokens: a 0-dim int64 tensor on the labels' device (no host read); 0 without labels"""
     logits: Optional[torch.Tensor]
     """[B, T, V] fp32 logits, when requested"""
     moe_stats: List[MoEStats] = field(default_factory=list)
@@ -207,7 +207,8 @@ class K3Model(nn.Module):
         n = 0
         if labels is not None:
             loss_sum, n = self.loss_fn(logits, labels)
-            loss = loss_sum / max(n, 1)
+            # n: a device tensor from token_loss_sum (no host read); a custom loss_fn may count on the host
+            loss = loss_sum / (n.clamp_min(1) if torch.is_tensor(n) else max(n, 1))
         keep = return_logits if return_logits is not None else labels is None
         return K3Output(loss, loss_sum, n, logits if keep else None, stats)
 
@@ -217,8 +218,10 @@ def _call_layer(layer, partial, seq, *blocks):
 
 
 def token_loss_sum(logits_BTV: torch.Tensor, labels_BT: torch.Tensor):
-    """(sum of next-token CE over labels != -100, count). Labels are already shifted by the loader."""
-    n = int((labels_BT != -100).sum())
+    """(sum of next-token CE over labels != -100, count). Labels are already shifted by the loader.
+    The count is a 0-dim int64 tensor on the labels' device: reading it on the host would wait for
+    the device on every micro-batch."""
+    n = (labels_BT != -100).sum()
     loss = F.cross_entropy(logits_BTV.reshape(-1, logits_BTV.shape[-1]).float(), labels_BT.reshape(-1),
                            ignore_index=-100, reduction="sum")
     return loss, n

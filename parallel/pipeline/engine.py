@@ -13,15 +13,23 @@ stream and derives the per-document structure itself, which keeps the payload fi
 
 Execution. Every rank builds the whole schedule (all ranks' action lists, schedules.py) and runs its
 own list in order: F, B (with ``zb_h1`` only the input gradients: megak3/ops/weight_grad.py defers
-the GEMM weight gradients) and W. Sends are posted (``isend``) as soon as a payload exists and
-never waited on until the step ends; a rank waits only for the receive its next action needs, so
-any schedule the simulator completes runs without deadlock. Receives from one peer are posted in
-the order that peer sends them (known from its action list), so the per-pair FIFO order holds also
-on backends that ignore tags (NCCL); every message also has a unique tag. A receive that does not
-complete within ``timeout_s`` raises an error naming the stage, the message and the peer (a failed
-or hung neighbour never leaves this rank blocked forever). With ``batch_p2p`` the tensors of one
-payload (and the receives of every message posted at once) go out as one
-``dist.batch_isend_irecv`` (a coalesced group of operations; the same bytes, tags and order).
+the GEMM weight gradients) and W. Point-to-point follows NCCL's rules, not gloo's: on NCCL a send
+blocks its stream until the peer has posted the matching receive, the i-th send from a to b meets
+b's i-th receive from a (tags are ignored), and a group (``batch_isend_irecv``) completes only when
+all its operations are matched. Every message of the step gets one global order that all ranks
+compute alike: the end time of its producing action in the unit-cost simulation of the schedule
+(``schedules.simulate``; ties broken by the message's kind, virtual stage and micro-batch). Rank r
+posts at each action boundary k (before its action k) one launch with the sends of action k - 1
+and the receives of every message whose simulated end falls in [end of its action k - 1, end of
+its action k), in that global order. As on Megatron-Core each step's sends and receives thus go out
+together, and because every rank's sequence of launches follows one global order, the least
+unmatched message always has both ends posted: no deadlock even if every rank's point-to-point
+shared one stream (parallel/nccl_semantics.py checks exactly this on CPU). A rank waits only for
+the receives its next action needs; sends are waited on when the step ends. With ``batch_p2p`` a
+launch is one ``dist.batch_isend_irecv`` (one NCCL group); without it each tensor is its own
+``isend``/``irecv``, in the same order. Every message also has a unique tag (gloo matches by tag).
+A receive that does not complete within ``timeout_s`` raises an error naming the stage, the
+message and the peer (a failed or hung neighbour never leaves this rank blocked forever).
 
 Loss: virtual stage V - 1 backpropagates ``loss_sum / step_tokens`` per micro-batch (step_tokens =
 the global labelled-token count of the step), so gradients accumulate across micro-batches and
@@ -32,20 +40,62 @@ activation memory (plus deferred W inputs) this rank held during the last step, 
 """
 from __future__ import annotations
 
+import bisect
 import time
 from datetime import timedelta
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from megak3.ops.weight_grad import WeightGradStore
 
-from .schedules import SCHEDULES, Action, build_schedule, check_schedule, splits_weight_grad
+from .schedules import SCHEDULES, Action, build_schedule, check_schedule, simulate, splits_weight_grad
 
-__all__ = ["AbsentLayer", "PipelineEngine", "SCHEDULES", "keep_stage"]
+__all__ = ["AbsentLayer", "PipelineEngine", "SCHEDULES", "keep_stage", "message_plan", "tag_name"]
 
 _MAX_PAYLOAD = 1000  # tensors in one transfer (tag space per message)
+_UNIT = {"F": 1.0, "B": 1.0, "W": 1.0}  # op costs of the simulation that orders the messages
+
+
+def tag_name(tag: int, V: int) -> str:
+    """The message a pipeline tag belongs to, e.g. ``F->v1 mb2 [0]`` (activations for virtual stage 1,
+    tensor 0) or ``B->v0 mb1 [2]`` (output gradients for virtual stage 0); for error reports."""
+    msg, j = divmod(tag, _MAX_PAYLOAD)
+    rest, is_b = divmod(msg, 2)
+    mb, v = divmod(rest, V)
+    return f"{'B' if is_b else 'F'}->v{v} mb{mb} [{j}]"
+
+
+def message_plan(schedule: List[List[Action]], p: int, vp: int, rank: int, split_w: bool) -> List[List[tuple]]:
+    """What ``rank`` posts at each action boundary: ``plan[k]`` (before its action k; k = len(list)
+    after the last) lists ``(key, outgoing)`` in the global message order (module docstring); key =
+    (kind, receiving virtual stage, micro-batch). Messages between chunks of one rank (p == 1) are
+    not listed: they stay local."""
+    timeline, _ = simulate(schedule, p, vp, _UNIT, split_w)
+    V = p * vp
+    msgs, made_at = [], {}
+    for q, tl in enumerate(timeline):
+        for k, (a, _start, end) in enumerate(tl):
+            v = a.chunk * p + q
+            if a.kind == "F" and v < V - 1:
+                key = ("F", v + 1, a.mb)
+            elif a.kind == "B" and v > 0:
+                key = ("B", v - 1, a.mb)
+            else:
+                continue
+            if key[1] % p != q:
+                msgs.append(((end, *key), key, q, key[1] % p))
+                if q == rank:
+                    made_at[key] = k + 1
+    ends = [end for _, _, end in timeline[rank]]
+    plan: List[List[tuple]] = [[] for _ in range(len(ends) + 1)]
+    for order, key, src, dst in sorted(msgs):
+        if src == rank:
+            plan[made_at[key]].append((key, True))
+        elif dst == rank:  # after my last action that ends no later than the message's producer
+            plan[bisect.bisect_right(ends, order[0])].append((key, False))
+    return plan
 
 
 class AbsentLayer(torch.nn.Module):
@@ -174,6 +224,7 @@ class PipelineEngine:
         self.peak_activation_bytes = 0
         self.p2p_bytes_per_mb = {"F": 0, "B": 0}
         self.store = WeightGradStore()
+        self._plans: Dict[tuple, List[List[tuple]]] = {}
 
     # ---- topology --------------------------------------------------------------------------------
     def _v(self, chunk: int) -> int:
@@ -190,23 +241,13 @@ class PipelineEngine:
         return ((i * self.V + v) * 2 + (kind == "B")) * _MAX_PAYLOAD + j
 
     # ---- communication ---------------------------------------------------------------------------
-    def _plan_messages(self, schedule: List[List[Action]]):
-        """For every peer, the keys of the messages it sends to this rank, in its send order."""
-        incoming: Dict[int, list] = {}
-        for q, acts in enumerate(schedule):
-            for a in acts:
-                v = a.chunk * self.p + q
-                if a.kind == "F" and v < self.V - 1:
-                    key = ("F", v + 1, a.mb)
-                elif a.kind == "B" and v > 0:
-                    key = ("B", v - 1, a.mb)
-                else:
-                    continue
-                if self._rank_of(key[1]) == self.r:
-                    incoming.setdefault(q, []).append(key)
-        self._incoming = incoming
-        self._next_post = {q: 0 for q in incoming}
+    def _plan_messages(self, schedule: List[List[Action]], split_w: bool) -> None:
+        key = (tuple(map(tuple, schedule)), split_w)  # a step's plan is reused by every later step
+        if key not in self._plans:
+            self._plans[key] = message_plan(schedule, self.p, self.vp, self.r, split_w)
+        self._posts = self._plans[key]
         self._posted: Dict[tuple, tuple] = {}
+        self._outbox: Dict[tuple, list] = {}
         self._local: Dict[tuple, list] = {}
         self._sends: List[tuple] = []
 
@@ -217,53 +258,60 @@ class PipelineEngine:
         n = self.blocks_in[c] if kind == "F" else self.blocks_out[c]
         return [(B, T // self.seq_shard, self.model.config.hidden_size)] * (1 + n)
 
-    def _send(self, key, tensors) -> None:
-        dst = self._rank_of(key[1])
+    def _emit(self, key, tensors) -> None:
+        """Hold an action's outgoing payload until its boundary is posted (or keep it local)."""
         tensors = [t.detach().contiguous() for t in tensors]
         if len(tensors) > _MAX_PAYLOAD:
             raise ValueError(f"a pipeline payload of {len(tensors)} tensors exceeds {_MAX_PAYLOAD}")
         self.p2p_bytes_per_mb[key[0]] += sum(t.numel() * t.element_size() for t in tensors)
-        if dst == self.r:  # neighbouring chunks on one rank (p == 1)
+        if self._rank_of(key[1]) == self.r:  # neighbouring chunks on one rank (p == 1)
             self._local[key] = tensors
+        else:
+            self._outbox[key] = tensors
+
+    def _peer(self, key, outgoing: bool) -> int:
+        if outgoing:
+            return self._rank_of(key[1])
+        return self._rank_of(key[1] + (-1 if key[0] == "F" else 1))
+
+    def _post(self, k: int) -> None:
+        """Post boundary k's sends and receives as one launch (module docstring)."""
+        msgs = []
+        for key, outgoing in self._posts[k]:
+            tensors = (self._outbox.pop(key) if outgoing else
+                       [torch.empty(s, dtype=self.dtype, device=self.device) for s in self._shapes(key)])
+            msgs.append((key, outgoing, tensors, self._global(self._peer(key, outgoing))))
+        if not msgs:
             return
         t0 = time.perf_counter()
-        peer = self._global(dst)
+        ops = [(dist.isend if out else dist.irecv, t, peer, self._tag(key, j))
+               for key, out, tensors, peer in msgs for j, t in enumerate(tensors)]
         if self.batch_p2p:
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer, self.group, self._tag(key, j))
-                                            for j, t in enumerate(tensors)])
-            self._sends.extend((w, tensors) for w in works)  # one work per op, or one coalesced (NCCL)
+            works = dist.batch_isend_irecv([dist.P2POp(op, t, peer, self.group, tag) for op, t, peer, tag in ops])
+            # one work per operation (gloo), or one coalesced work for the whole group (NCCL)
+            per_op = [[w] for w in works] if len(works) == len(ops) else [list(works)] * len(ops)
         else:
-            for j, t in enumerate(tensors):
-                work = dist.isend(t, peer, group=self.group, tag=self._tag(key, j))
-                self._sends.append((work, t))
-        self.trace.append(("send_" + key[0], key[1] // self.p, key[2], t0, time.perf_counter()))
+            per_op = [[op(t, peer, group=self.group, tag=tag)] for op, t, peer, tag in ops]
+        t1 = time.perf_counter()
+        n = 0
+        for key, outgoing, tensors, _ in msgs:
+            mine = list({id(w): w for ws in per_op[n:n + len(tensors)] for w in ws}.values())
+            n += len(tensors)
+            if outgoing:
+                self._sends.extend((w, tensors) for w in mine)
+                self.trace.append(("send_" + key[0], key[1] // self.p, key[2], t0, t1))
+            else:
+                self._posted[key] = (tensors, mine)
         self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
 
-    def _recv(self, key) -> List[torch.Tensor]:
+    def _take(self, key) -> List[torch.Tensor]:
+        """The payload ``key`` for the action about to run: waits for its receive (posted earlier)."""
         if key in self._local:
             return self._local.pop(key)
-        src = self._rank_of(key[1] + (-1 if key[0] == "F" else 1))
-        order = self._incoming[src]
-        peer = self._global(src)
-        batch = []
-        while key not in self._posted:  # post in the sender's order
-            k = order[self._next_post[src]]
-            self._next_post[src] += 1
-            bufs = [torch.empty(s, dtype=self.dtype, device=self.device) for s in self._shapes(k)]
-            if self.batch_p2p:
-                batch.append((k, bufs))
-                self._posted[k] = None
-                continue
-            works = [dist.irecv(b, peer, group=self.group, tag=self._tag(k, j))
-                     for j, b in enumerate(bufs)]
-            self._posted[k] = (bufs, works)
-        if batch:  # every receive up to the needed one, one coalesced post
-            ops = [dist.P2POp(dist.irecv, b, peer, self.group, self._tag(k, j))
-                   for k, bufs in batch for j, b in enumerate(bufs)]
-            works = dist.batch_isend_irecv(ops)
-            it = iter(works)
-            for k, bufs in batch:  # one work per op, or one coalesced work for all (NCCL)
-                self._posted[k] = (bufs, [next(it) for _ in bufs] if len(works) == len(ops) else works)
+        if key not in self._posted:
+            raise RuntimeError(f"pipeline rank {self.r}: message {key} was never posted (a bug in the "
+                               "message plan)")
+        src = self._peer(key, False)
         bufs, works = self._posted.pop(key)
         t0 = time.perf_counter()
         for w in works:
@@ -334,17 +382,18 @@ class PipelineEngine:
         self._seq: Dict[int, tuple] = {}
         self.trace = []
         self.p2p_bytes_per_mb = {"F": 0, "B": 0}
-        self._plan_messages(schedule)
+        self._plan_messages(schedule, train and splits_weight_grad(self.schedule))
         saved = {}
         stats_all: List[list] = [[] for _ in micro_batches]
         loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)
         inflight = 0
         meter = (_ActivationMeter(self.model.parameters(), lambda: self.store.bytes_held)
                  if self.measure_memory else None)
-        for a in schedule[self.r]:
+        self._post(0)
+        for k, a in enumerate(schedule[self.r]):
             c, i, v = a.chunk, a.mb, self._v(a.chunk)
             if a.kind == "F":
-                inputs = [] if v == 0 else self._recv(("F", v, i))
+                inputs = [] if v == 0 else self._take(("F", v, i))
                 if train:
                     inputs = [b.requires_grad_(True) for b in inputs]
                 if meter is not None:
@@ -355,25 +404,26 @@ class PipelineEngine:
                 stats_all[i].extend(st)
                 if v == self.V - 1:
                     loss_sum[0] += out[0].detach().double()
-                    loss_sum[1] += int((self._seq[i][1] != -100).sum())  # this rank's labels
+                    loss_sum[1] += (self._seq[i][1] != -100).sum()  # this rank's labels (no host read)
                 else:
-                    self._send(("F", v + 1, i), out)
+                    self._emit(("F", v + 1, i), out)
                 if train:
                     saved[(c, i)] = (inputs, out)
                     inflight = max(inflight, len(saved))
             elif a.kind == "B":
                 inputs, out = saved.pop((c, i))
-                grads = None if v == self.V - 1 else self._recv(("B", v, i))
+                grads = None if v == self.V - 1 else self._take(("B", v, i))
                 g_in = self._backward(c, i, inputs, out, grads)
                 del out, grads
                 if v > 0:
-                    self._send(("B", v - 1, i), g_in)
+                    self._emit(("B", v - 1, i), g_in)
             else:
                 t0 = time.perf_counter()
                 self.store.flush((c, i))
                 self.trace.append(("W", c, i, t0, time.perf_counter()))
             if meter is not None:
                 meter.sample()
+            self._post(k + 1)
         self._finish_sends()
         m = max(len(micro_batches), 1)
         self.p2p_bytes_per_mb = {k: n // m for k, n in self.p2p_bytes_per_mb.items()}

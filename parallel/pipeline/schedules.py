@@ -17,10 +17,11 @@ Schedules (``name``):
                         running each W r micro-batches late so W's fill the cool-down. With
                         t_F = t_B = t_W the bubble is (p-1)/(3m+p-1), a third of 1F1B's.
 
-The executor (engine.py) posts sends without waiting and waits only on the receives an action
-needs, so any list that the simulator can run to completion is deadlock-free in reality: the
-action with the earliest simulated start among all ranks' next actions always has its inputs.
-``simulate`` also gives the theoretical bubble of a schedule for measured op times.
+Any list that the simulator can run to completion is deadlock-free in the executor (engine.py),
+under NCCL's rendezvous point-to-point too: the executor orders every rank's sends and receives by
+the simulated end time of the producing action (``engine.message_plan``), so the least unmatched
+message always has both ends posted. ``simulate`` also gives the theoretical bubble of a schedule
+for measured op times.
 """
 from __future__ import annotations
 

@@ -332,6 +332,8 @@ class ShardedOptimizer:
         self.tp_sharded: list[bool] = [False] * len(self.specs)
         """per spec: a TP shard (its squared grad norm is summed over ``tp_group``)"""
         self.norm_partitions: list[tuple[ProcessGroup, bool]] = []
+        self._expert_mask: Optional[torch.Tensor] = None
+        """[params] bool on the device, expert params True (clip_grad_norm_ under norm partitions)"""
         """(group, experts_only): groups over which ranks hold different params (see add_norm_partition)"""
         if tp_group is not None or shard_dim is not None:
             self.set_tensor_parallel(tp_group, shard_dim or {})
@@ -644,9 +646,14 @@ class ShardedOptimizer:
             dist.all_reduce(part, group=self.tp_group)
             norms[idx], has[idx] = part[0].sqrt(), part[1]
         if self.norm_partitions:  # ranks of these groups hold different params: sum squares over them
-            expert = torch.tensor([EXPERT_NAME_PART in s.name for s in self.specs], device=self.device)
+            if self._expert_mask is None:  # constant: built once, no per-step host-to-device copy
+                self._expert_mask = torch.tensor([EXPERT_NAME_PART in s.name for s in self.specs],
+                                                 device=self.device)
+            expert = self._expert_mask
             sq = norms.square() * (has > 0)
-            dense_sq, expert_sq = sq[~expert].sum().reshape(1), sq[expert].sum().reshape(1)
+            # torch.where, not boolean-mask indexing: the mask's result size would be read on the host
+            dense_sq = torch.where(expert, 0.0, sq).sum().reshape(1)
+            expert_sq = torch.where(expert, sq, 0.0).sum().reshape(1)
             for g, experts_only in self.norm_partitions:
                 if experts_only:
                     dist.all_reduce(expert_sq, group=g)

@@ -1,0 +1,16 @@
+"""Generation from megak3 checkpoints: incremental decoding with a KDA-aware prefix cache.
+
+    engine.py    Engine: validation, continuous batching, chunked prefill, sampling (the contract)
+    cache.py     CacheManager: pages, prefix-hash blocks, KDA checkpoints, LRU, host tier (no tensors)
+    runner.py    ModelRunner: the incremental K3 forward over the paged pool (KDA state, absorbed MLA)
+    sampling.py  greedy / temperature / top-k / top-p with per-request generators
+    loading.py   megak3 checkpoints of any layout and Hugging Face directories
+    types.py     SamplingParams, Completion, Scored, InferenceError
+"""
+from .cache import CacheConfig, CacheManager
+from .engine import Engine
+from .runner import ModelRunner
+from .types import Completion, InferenceError, SamplingParams, Scored
+
+__all__ = ["Engine", "SamplingParams", "Completion", "Scored", "InferenceError", "CacheConfig",
+           "CacheManager", "ModelRunner"]

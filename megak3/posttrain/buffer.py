@@ -15,7 +15,7 @@ data (checkpointed with the policy): resuming from it keeps every finished, untr
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Union
 
 
 @dataclass
@@ -64,13 +64,17 @@ class RolloutBuffer:
         self._next_uid = 0
         self._next_group = 0
 
-    def add_prompt(self, prompt_ids: List[int], budget: int, answer: Optional[str] = None) -> List[Rollout]:
-        """K new samples of one prompt (one group), each with response budget ``budget``."""
+    def add_prompt(self, prompt_ids: List[int], budget: Union[int, Sequence[int]],
+                   answer: Optional[str] = None) -> List[Rollout]:
+        """K new samples of one prompt (one group) with response budget ``budget`` (or one per sample)."""
         g = self._next_group
         self._next_group += 1
+        budgets = [int(budget)] * self.K if isinstance(budget, int) else [int(b) for b in budget]
+        if len(budgets) != self.K:
+            raise ValueError(f"{len(budgets)} budgets for a group of {self.K}")
         out = []
-        for _ in range(self.K):
-            r = Rollout(self._next_uid, g, list(prompt_ids), int(budget), answer)
+        for b in budgets:
+            r = Rollout(self._next_uid, g, list(prompt_ids), b, answer)
             self.rollouts[r.uid] = r
             self._next_uid += 1
             out.append(r)
@@ -79,6 +83,10 @@ class RolloutBuffer:
     def unfinished(self) -> List[Rollout]:
         """Samples still generating, oldest first (they are resumed before new prompts start)."""
         return [r for r in self.rollouts.values() if not r.finished]
+
+    def num_groups(self) -> int:
+        """Groups in the buffer (each has at least one sample not yet trained on)."""
+        return len({r.group for r in self.rollouts.values()})
 
     def num_finished(self) -> int:
         return sum(r.finished for r in self.rollouts.values())

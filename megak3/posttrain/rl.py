@@ -3,7 +3,8 @@ a policy update through the production :class:`megak3.train.step.RankStep` -> we
 
 One iteration (:meth:`RLRunner.iteration`):
 
-1. N new prompts join the buffer as N groups of K samples, each with response budget ``rl.max_tokens``.
+1. New prompts join the buffer as groups of K samples (each with response budget ``rl.max_tokens``) until it
+   holds N groups: groups carried over from the last iteration (some sample unfinished) count towards N.
 2. Generation (:class:`~megak3.posttrain.rollout.PartialRollouts`): paused samples first, then the new
    ones, until ``ceil(lambda * N * K)`` samples of the buffer are finished; the rest pause with their
    caches and continue next iteration under the new weights (``rl.partial_fraction = 1``: synchronous).
@@ -26,7 +27,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -76,6 +77,8 @@ class RLConfig:
     """b0 of every prompt, in response tokens (with effort_tau > 0)"""
     seed: int = 0
     """prompt order and sampling seeds"""
+    ignore_eos: bool = False
+    """sample every response to its full budget (benchmarks: lengths set by the budgets alone)"""
     engine_dtype: str = "float32"
     """dtype of the engine's copy of the policy ('float32' or 'bfloat16')"""
     loss: LossConfig = field(default_factory=LossConfig)
@@ -163,7 +166,8 @@ class RLRunner:
     Hugging Face directory whose weights start the policy (None: the RankStep's initialisation)."""
 
     def __init__(self, job: JobConfig, rl: RLConfig, tokenizer, ps: Optional[ParallelState] = None,
-                 device="cpu", init_from: Optional[str] = None, engine_options: Optional[dict] = None):
+                 device="cpu", init_from: Optional[str] = None, engine_options: Optional[dict] = None,
+                 budgets: Optional[Callable[[], List[int]]] = None):
         self.job, self.rl, self.tokenizer = job, rl.validate(), tokenizer
         self.ps = ps = ps or ParallelState.single()
         check_layout(ps)
@@ -183,11 +187,14 @@ class RLRunner:
             apply_quantization(self.ref_model, job.quant)
             self.ref_model = self.ref_model.to(device).eval()
             copy_weights(self.model, self.ref_model)
+        self.budgets = budgets
+        """callable -> K response budgets of a new group (default: rl.max_tokens each)"""
         self.version = 0
         self.refit()
         self.buffer = RolloutBuffer(rl.group_size)
         self.sampler = PartialRollouts(self.engine, SamplingParams(max_tokens=rl.max_tokens,
-                                                                   temperature=rl.temperature), seed=rl.seed)
+                                                                   temperature=rl.temperature,
+                                                                   ignore_eos=rl.ignore_eos), seed=rl.seed)
         self.prompts = prompt_stream(tokenizer, rl.task, rl.seed)
         self._rng = random.Random(rl.seed)
         self.history: List[dict] = []
@@ -201,9 +208,9 @@ class RLRunner:
     # ------------------------------------------------------------------------------ one iteration
     def generate(self) -> dict:
         rl = self.rl
-        for _ in range(rl.prompts):
+        for _ in range(rl.prompts - self.buffer.num_groups()):  # the carried-over groups count towards N
             ids, answer = next(self.prompts)
-            self.buffer.add_prompt(ids, rl.max_tokens, answer)
+            self.buffer.add_prompt(ids, self.budgets() if self.budgets else rl.max_tokens, answer)
         target = math.ceil(rl.partial_fraction * rl.prompts * rl.group_size)
         need = target - self.buffer.num_finished()
         t0 = time.perf_counter()
@@ -241,7 +248,10 @@ class RLRunner:
         samples = [r for g in groups for r in g]
         rec["staleness"] = sum(self.version - v for r in samples for v in r.versions) / max(
             sum(len(r.versions) for r in samples), 1)
+        t0 = time.perf_counter()
         rec.update(self.update(samples, adv.flatten().float()))
+        rec["train_s"] = time.perf_counter() - t0
+        rec["trained"] = len(samples)
         self.version += 1
         rec["refit_s"] = self.refit()
         self.history.append(rec)

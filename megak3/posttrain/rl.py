@@ -196,8 +196,27 @@ class RLRunner:
                                                                    temperature=rl.temperature,
                                                                    ignore_eos=rl.ignore_eos), seed=rl.seed)
         self.prompts = prompt_stream(tokenizer, rl.task, rl.seed)
+        self.prompts_used = 0
+        self.state = None
+        """a :class:`~megak3.posttrain.resume.RLState` when the run is resumable (:meth:`resumable`)"""
         self._rng = random.Random(rl.seed)
         self.history: List[dict] = []
+
+    def resumable(self, run_dir) -> bool:
+        """Save state to ``run_dir`` from now on (megak3/posttrain/resume.py); restore what it holds.
+        Returns True when a previous run's state was restored."""
+        from .resume import RLState
+
+        self.state = RLState(self, run_dir)
+        self.sampler.on_finish = self.state.journal
+        return self.state.restore()
+
+    def skip_prompts(self, n: int) -> None:
+        """Continue the prompt stream after its first ``n`` prompts (a restored run)."""
+        self.prompts = prompt_stream(self.tokenizer, self.rl.task, self.rl.seed)
+        for _ in range(n):
+            next(self.prompts)
+        self.prompts_used = n
 
     def refit(self) -> float:
         """Copy the trainer's weights into the engine's model (in memory); returns the seconds it took."""
@@ -210,7 +229,10 @@ class RLRunner:
         rl = self.rl
         for _ in range(rl.prompts - self.buffer.num_groups()):  # the carried-over groups count towards N
             ids, answer = next(self.prompts)
+            self.prompts_used += 1
             self.buffer.add_prompt(ids, self.budgets() if self.budgets else rl.max_tokens, answer)
+        if self.state is not None:
+            self.state.save_buffer()
         target = math.ceil(rl.partial_fraction * rl.prompts * rl.group_size)
         need = target - self.buffer.num_finished()
         t0 = time.perf_counter()
@@ -254,7 +276,10 @@ class RLRunner:
         rec["trained"] = len(samples)
         self.version += 1
         rec["refit_s"] = self.refit()
+        rec["uids"] = [r.uid for r in samples]
         self.history.append(rec)
+        if self.state is not None:
+            self.state.save_policy()
         return rec
 
     # ---------------------------------------------------------------------------------- update
@@ -310,8 +335,10 @@ class RLRunner:
                 "kl": float(sums[2]) / tok, "response_tokens": int(sums[3]), **report}
 
     def fit(self, log=print) -> List[dict]:
-        for _ in range(self.rl.iterations):
+        """Run iterations until ``rl.iterations`` updates are done (counting a restored run's)."""
+        while self.version < self.rl.iterations:
             rec = self.iteration()
             if log:
-                log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()))
+                log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()
+                         if k != "uids"))
         return self.history

@@ -33,6 +33,8 @@ class PartialRollouts:
         self.engine = engine
         self.params = params
         self.seed = seed
+        self.on_finish = None
+        """called with each rollout the moment it finishes (the resumable run's journal)"""
         self.live: Dict[int, Tuple[object, Rollout]] = {}
         """rollout uid -> (engine sequence, rollout) of every unfinished sample the engine holds"""
 
@@ -66,6 +68,8 @@ class PartialRollouts:
             if s.finish is not None:
                 r.finish(s.finish, eng._completion(s).text)
                 del self.live[r.uid]
+                if self.on_finish is not None:
+                    self.on_finish(r)
                 finished += 1
 
         while (waiting or prefilling or decoding) and (stop_after is None or finished < stop_after) \

@@ -65,7 +65,11 @@ def run(args, rl_over, optim_over, shuffle: bool) -> dict:
     optim = OptimConfig(lr=3e-3, warmup_steps=0, min_lr_ratio=1.0)
     for k, v in optim_over:
         _set(optim, k, v, "optim.")
-    job = JobConfig(model=src.model.config, optim=optim, quant=src.load_info["quant"],
+    from megak3.data.config import DataConfig
+
+    mcfg = src.model.config
+    job = JobConfig(model=mcfg, optim=optim, quant=src.load_info["quant"],
+                    data=DataConfig(vocab_size=max(260, min(8192, mcfg.vocab_size))),  # unused by RL
                     train=TrainConfig(max_steps=rl.iterations, global_batch_size=1, micro_batch_size=1,
                                       seed=rl.seed))
     job.validate()

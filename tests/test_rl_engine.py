@@ -118,3 +118,26 @@ def test_partial_rollout_iterations_record_versions_and_keep_budgets(tok):
     for (n, p), q in zip(runner.model.state_dict().items(), runner.engine.model.state_dict().values()):
         assert torch.equal(p, q), n
     assert seen_mixed  # a sample paused under one version finished under the next
+
+
+def test_mopd_update_uses_the_teachers_per_token_reward(tok):
+    from megak3.model.k3 import build_model
+
+    rl = RLConfig(prompts=2, group_size=2, max_tokens=5, micro_batch_size=8)
+    runner = RLRunner(make_job(), rl, tok, engine_options=ENGINE)
+    runner.generate()
+    samples = [r for g in runner.buffer.take_trainable() for r in g]
+    teacher = build_model(runner.job.model, seed=11).eval()  # another policy
+    runner.teachers = [teacher]
+    mb = response_batch(samples, tok.pad_id)
+    with torch.no_grad():
+        lt = token_logprobs(teacher(mb["input_ids"], cu_seqlens=mb["cu_seqlens"], return_logits=True).logits,
+                            mb["targets"])
+        ls = token_logprobs(runner.model(mb["input_ids"], cu_seqlens=mb["cu_seqlens"], return_logits=True).logits,
+                            mb["targets"])
+    m = mb["mask"].bool()
+    want = -float((lt - ls).clamp(-1, 1)[m].mean())  # ratio 1 on the first step: loss = -mean r_t
+    rec = runner.update(samples, torch.zeros(len(samples)))
+    assert abs(rec["loss"] - want) < 1e-5 and rec["grad_norm"] > 0
+    runner.teachers = [runner.model]  # the policy as its own teacher: zero reward, zero gradient
+    assert runner.update(samples, torch.zeros(len(samples)))["grad_norm"] == 0

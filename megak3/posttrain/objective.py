@@ -86,11 +86,13 @@ def policy_loss(logp_NT: torch.Tensor, logp_old_NT: torch.Tensor, adv_N: torch.T
                 cfg: LossConfig, denom: float, weights_NT: Optional[torch.Tensor] = None,
                 logp_ref_NT: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """(loss to backpropagate, detached stats: ``clip_frac``, ``kl`` sums and ``tokens``) of one micro-batch.
+    ``adv_N``: one advantage per sequence [N], or per token [N, T] (MOPD's per-token rewards).
 
     ``denom``: tokens (aggregation='token') or sequences ('sequence') of the whole step."""
     m = mask_NT.to(logp_NT.dtype)
     ratio = torch.exp(logp_NT - logp_old_NT)
-    A = adv_N.to(logp_NT.dtype)[:, None]
+    A = adv_N.to(logp_NT.dtype)
+    A = A if A.dim() == 2 else A[:, None]  # per-sequence [N] or per-token [N, T] advantages
     clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
     surr = torch.minimum(ratio * A, clipped * A)
     per_tok = -surr if weights_NT is None else -weights_NT.detach() * surr

@@ -45,7 +45,7 @@ from ..train.step import RankStep, all_reduce_sum
 from .buffer import Rollout, RolloutBuffer
 from .chat import generation_prompt
 from .objective import LossConfig, group_advantages, policy_loss, staleness_weights, token_logprobs
-from .rewards import effort_override, exact_answer
+from .rewards import effort_override, exact_answer, mopd_rewards
 from .rollout import PartialRollouts
 
 
@@ -77,6 +77,12 @@ class RLConfig:
     """b0 of every prompt, in response tokens (with effort_tau > 0)"""
     seed: int = 0
     """prompt order and sampling seeds"""
+    mopd_teachers: str = ""
+    """MOPD: comma-separated teacher checkpoints (megak3 or Hugging Face); the advantage of every response
+    token becomes clip(log pi_teacher - log pi_theta, -mopd_r_max, mopd_r_max), the rollouts of group g
+    distilled from teacher g mod M (empty: the task reward and group advantages)"""
+    mopd_r_max: float = 1.0
+    """R_max of the MOPD per-token reward"""
     ignore_eos: bool = False
     """sample every response to its full budget (benchmarks: lengths set by the budgets alone)"""
     engine_dtype: str = "float32"
@@ -94,6 +100,7 @@ class RLConfig:
         need(0 < self.partial_fraction <= 1, "partial_fraction", "must lie in (0, 1]")
         need(self.effort_tau >= 0, "effort_tau", "must be >= 0")
         need(self.effort_tau == 0 or self.effort_budget > 0, "effort_budget", "must be > 0 with rl.effort_tau > 0")
+        need(self.mopd_r_max > 0, "mopd_r_max", "must be > 0")
         need(self.engine_dtype in ("float32", "bfloat16"), "engine_dtype", "must be 'float32' or 'bfloat16'")
         from .demo_sft import FAMILIES
 
@@ -187,6 +194,8 @@ class RLRunner:
             apply_quantization(self.ref_model, job.quant)
             self.ref_model = self.ref_model.to(device).eval()
             copy_weights(self.model, self.ref_model)
+        self.teachers = [Engine.from_pretrained(p.strip(), device=device).model
+                         for p in rl.mopd_teachers.split(",") if p.strip()]
         self.budgets = budgets
         """callable -> K response budgets of a new group (default: rl.max_tokens each)"""
         self.version = 0
@@ -307,10 +316,15 @@ class RLRunner:
         model.train()
         report = {"is_mean": 0.0, "is_capped": 0.0}
         with torch.no_grad(), rs.autocast():
-            for mb in mbs:
+            for i, mb in enumerate(mbs):
                 mb["logp_old"] = self._logp(model, mb)[0]
                 if self.ref_model is not None:
                     mb["logp_ref"] = self._logp(self.ref_model, mb)[0]
+                if self.teachers:  # MOPD: per-token rewards are the advantages
+                    rows = mine[i * rl.micro_batch_size:(i + 1) * rl.micro_batch_size]
+                    which = torch.tensor([r.group % len(self.teachers) for r in rows], device=dev)
+                    t_MNT = torch.stack([self._logp(t, mb)[0] for t in self.teachers])
+                    mb["adv"] = mopd_rewards(mb["logp_old"], t_MNT, which, rl.mopd_r_max) * mb["mask"]
         ntok = sum(float(mb["mask"].sum()) for mb in mbs)
         sums = torch.zeros(4, dtype=torch.float64, device=dev)  # loss, clipped tokens, kl, tokens
         biases = [m.gate.e_score_correction_bias for m in model.moe_layers()]

@@ -100,3 +100,14 @@ def test_buffer_versions_budget_and_resume():
     groups = again.take_trainable()
     assert len(groups) == 1 and groups[0][0].versions == [0, 0, 1, 1] and groups[0][1].logprobs == [-0.3, -0.4]
     assert again.rollouts == {}
+
+
+def test_rl_cli_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    from megak3.posttrain.__main__ import main
+
+    assert main(["--init-from", str(tmp_path / "missing")]) == 2
+    assert main(["--init-from", str(tmp_path), "rl.nope=1"]) == 2
+    assert main(["--init-from", str(tmp_path), "lr=1"]) == 2
+    errs = [l for l in capsys.readouterr().err.splitlines() if l]
+    assert len(errs) == 3 and all(l.startswith("error: ") for l in errs)
+    assert "rl.nope: no such field" in errs[1] and "rl.FIELD=VALUE" in errs[2]

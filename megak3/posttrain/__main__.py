@@ -57,14 +57,15 @@ def run(args, rl_over, optim_over, shuffle: bool) -> dict:
     from megak3.posttrain.rl import RLConfig, RLRunner
     from megak3.train.config import JobConfig, TrainConfig
 
-    src = Engine.from_pretrained(args.init_from)
     rl = RLConfig()
     for k, v in rl_over:
         _set(rl, k, v, "rl.")
     rl.shuffle_rewards = rl.shuffle_rewards or shuffle
+    rl.validate()
     optim = OptimConfig(lr=3e-3, warmup_steps=0, min_lr_ratio=1.0)
     for k, v in optim_over:
         _set(optim, k, v, "optim.")
+    src = Engine.from_pretrained(args.init_from)  # after the cheap checks: a typo fails before the load
     from megak3.data.config import DataConfig
 
     mcfg = src.model.config

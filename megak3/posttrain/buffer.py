@@ -91,6 +91,13 @@ class RolloutBuffer:
     def num_finished(self) -> int:
         return sum(r.finished for r in self.rollouts.values())
 
+    def has_trainable(self) -> bool:
+        """True when some group has all K samples finished."""
+        done: Dict[int, int] = {}
+        for r in self.rollouts.values():
+            done[r.group] = done.get(r.group, 0) + r.finished
+        return any(n == self.K for n in done.values())
+
     def take_trainable(self) -> List[List[Rollout]]:
         """Remove and return every group whose K samples are all finished, in group order."""
         groups: Dict[int, List[Rollout]] = {}

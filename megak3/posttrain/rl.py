@@ -6,8 +6,9 @@ One iteration (:meth:`RLRunner.iteration`):
 1. New prompts join the buffer as groups of K samples (each with response budget ``rl.max_tokens``) until it
    holds N groups: groups carried over from the last iteration (some sample unfinished) count towards N.
 2. Generation (:class:`~megak3.posttrain.rollout.PartialRollouts`): paused samples first, then the new
-   ones, until ``ceil(lambda * N * K)`` samples of the buffer are finished; the rest pause with their
-   caches and continue next iteration under the new weights (``rl.partial_fraction = 1``: synchronous).
+   ones, until ``ceil(lambda * N * K)`` samples of the buffer are finished and at least one group has all K
+   finished; the rest pause with their caches and continue next iteration under the new weights
+   (``rl.partial_fraction = 1``: synchronous).
 3. Rewards of the finished samples: the exact answer (rewards.exact_answer), then the effort override
    when ``rl.effort_tau > 0`` (budget b0: ``rl.effort_budget`` tokens). ``rl.shuffle_rewards`` permutes the
    rewards across the update's samples (the control run: the reward no longer says anything about the sample).
@@ -247,6 +248,8 @@ class RLRunner:
         t0 = time.perf_counter()
         if need > 0:
             self.sampler.run(self.buffer.unfinished(), self.version, stop_after=need)
+        while not self.buffer.has_trainable() and self.buffer.unfinished():  # something to train on
+            self.sampler.run(self.buffer.unfinished(), self.version, stop_after=1)
         return {"gen_s": time.perf_counter() - t0, "paused": len(self.buffer.unfinished())}
 
     def score(self, groups: List[List[Rollout]]) -> torch.Tensor:

@@ -16,7 +16,11 @@ KDA layers of one boundary, so it is valid or absent as a whole; it is evicted, 
 host tier and prefetched together with its block. A lookup restores the deepest checkpointed
 boundary at or below the matched prefix (MLA blocks + KDA state) and the caller prefills the rest.
 Entries referenced by a running sequence are pinned (refcount > 0); the others sit in an LRU and are
-evicted leaf-first (a chain is touched from its end to its root).
+evicted leaf-first (a chain is touched from its end to its root). Checkpoints dominate the memory
+(a KDA state outweighs hundreds of tokens of MLA latents), so a sequence's checkpoint that its own
+deeper checkpoint supersedes becomes *interior* and is dropped (alone, its block stays) before any
+block is evicted, unless a lookup has restored it (a branch point). What stays is what multi-turn
+traffic restores: the deepest state of every chain and the states branches were taken from.
 """
 from __future__ import annotations
 
@@ -92,6 +96,7 @@ class SeqPages:
     private: List[int] = field(default_factory=list)    # pages it owns (not in the prefix cache)
     reserve: int = 0                                    # pages still promised to it
     prompt_len: int = 0
+    last_ckpt: Optional[bytes] = None                   # the checkpoint it wrote last (None: restored)
 
 
 @dataclass
@@ -111,12 +116,15 @@ class CacheManager:
         self.free: List[int] = list(range(cfg.num_pages - 1, -1, -1))
         self.entries: Dict[bytes, _Entry] = {}
         self.lru: "OrderedDict[bytes, None]" = OrderedDict()   # evictable device entries, oldest first
+        # superseded checkpoints: a sequence wrote a deeper one on the same chain and nobody has
+        # restored this one (a restore makes it a branch point); they are evicted before any block
+        self.interior: "OrderedDict[bytes, None]" = OrderedDict()
         self.host_free: List[int] = list(range(cfg.host_pages - 1, -1, -1))
         self.host_lru: "OrderedDict[bytes, None]" = OrderedDict()
         self.reserved = 0
         self.seqs: Dict[int, SeqPages] = {}
         self.stats = {"lookups": 0, "hit_tokens": 0, "hits": 0, "evicted": 0, "written_back": 0,
-                      "prefetched": 0, "checkpoints": 0, "peak_pages": 0}
+                      "prefetched": 0, "checkpoints": 0, "evicted_checkpoints": 0, "peak_pages": 0}
 
     # ------------------------------------------------------------------------------ capacity
     @property
@@ -124,7 +132,8 @@ class CacheManager:
         return self.cfg.checkpoint_mode != "none"
 
     def _evictable_pages(self) -> int:
-        return sum(1 + len(self.entries[h].ckpt or ()) for h in self.lru)
+        n = sum(1 + len(self.entries[h].ckpt or ()) for h in self.lru)
+        return n + sum(len(self.entries[h].ckpt) for h in self.interior if h not in self.lru)
 
     def available(self) -> int:
         """Pages that can still be promised: free + evictable - reserved."""
@@ -135,6 +144,14 @@ class CacheManager:
 
     def _alloc(self, n: int, actions: list) -> List[int]:
         while len(self.free) < n:
+            if self.interior:
+                h = next(iter(self.interior))
+                del self.interior[h]
+                e = self.entries[h]
+                self.free.extend(e.ckpt)
+                e.ckpt = None
+                self.stats["evicted_checkpoints"] += 1
+                continue
             if not self.lru:
                 raise InferenceError(f"cache.num_pages={self.cfg.num_pages} is too small for the running "
                                      "sequences; raise it or run fewer at once")
@@ -146,6 +163,7 @@ class CacheManager:
     def _evict(self, h: bytes, actions: list) -> None:
         e = self.entries[h]
         del self.lru[h]
+        self.interior.pop(h, None)
         self.stats["evicted"] += 1
         pages = [e.page] + list(e.ckpt or ())
         need = len(pages)
@@ -208,13 +226,19 @@ class CacheManager:
                 e.refs += 1
             seq.hashes = hashes[:hit_blocks]
             seq.pinned = list(seq.hashes)
-            try:
-                for h in seq.hashes:
-                    if self.entries[h].page is None:
-                        self._prefetch(h, actions)
-            except InferenceError:
+            if hit_blocks:
+                self.interior.pop(hashes[hit_blocks - 1], None)   # restored: a branch point, keep it
+            # entries on the host tier come back with their checkpoints: only when that and the rest
+            # of the sequence fit next to the reservations of the running sequences (else: cold)
+            host_need = sum(1 + len(self.entries[h].host_ckpt or ()) for h in seq.hashes
+                            if self.entries[h].page is None)
+            if host_need and host_need + total - hit_blocks > self.available():
                 self._release(seq)
-                raise
+                seq = SeqPages(salt, prompt_len=n)
+                hit_blocks = 0
+            for h in seq.hashes:
+                if self.entries[h].page is None:
+                    self._prefetch(h, actions)
             seq.table = [self.entries[h].page for h in seq.hashes]
             if hit_blocks:
                 ckpt = list(self.entries[hashes[hit_blocks - 1]].ckpt)
@@ -287,9 +311,14 @@ class CacheManager:
     def checkpoint_pages(self, sid: int, length: int) -> Tuple[List[int], List[Tuple]]:
         """Allocate and attach the checkpoint pages of boundary ``length`` (after wants_checkpoint)."""
         seq, actions = self.seqs[sid], []
-        e = self.entries[seq.hashes[length // self.cfg.page_size - 1]]
+        h = seq.hashes[length // self.cfg.page_size - 1]
+        e = self.entries[h]
         e.ckpt = self._alloc(self.ckpt_pages, actions)
         self.stats["checkpoints"] += 1
+        prev = seq.last_ckpt
+        if prev is not None and prev in self.entries and self.entries[prev].ckpt is not None:
+            self.interior[prev] = None   # superseded by this deeper one
+        seq.last_ckpt = h
         return e.ckpt, actions
 
     def prefix_boundaries(self, sid: int, start: int, end: int) -> List[int]:

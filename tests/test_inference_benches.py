@@ -1,0 +1,38 @@
+"""tools/bench_prefix_cache.py and tools/bench_decode.py run end to end with tiny arguments."""
+import contextlib
+import io
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import bench_decode  # noqa: E402
+import bench_prefix_cache  # noqa: E402
+
+
+def _run(fn, argv):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = fn(argv)
+    return rc, out.getvalue()
+
+
+def test_bench_prefix_cache_tiny():
+    rc, out = _run(bench_prefix_cache.main, ["--sessions", "2", "--branches", "1", "--turns", "2", "--system", "16",
+                                             "--user", "4", "--tool-min", "4", "--tool-max", "12", "--reply", "2",
+                                             "--page-size", "4", "--interval", "8", "--coarse", "128"])
+    rows = [l.split()[0] for l in out.splitlines()[2:6]]
+    assert rows == ["no-reuse", "last", "coarse(128)", "ours(8)"], out
+    assert "replies identical across policies: True" in out
+    assert "ours / no-reuse prefill" in out and "ours / last prefill" in out
+    assert rc in (0, 1)
+
+
+def test_bench_decode_tiny():
+    rc, out = _run(bench_decode.main, ["--contexts", "16", "48", "--new", "2", "--page-size", "16", "--chunk", "32"])
+    assert rc == 0 and "(equal)" in out, out
+    assert len([l for l in out.splitlines() if l.strip().startswith(("16", "48"))]) == 2
+
+
+def test_bench_bad_arguments_exit_2():
+    assert bench_decode.main(["--new", "0"]) == 2
+    assert bench_prefix_cache.main(["--interval", "20", "--page-size", "16"]) == 2

@@ -1,4 +1,5 @@
-"""RL update at dp2 matches one process: loss and grad norm over 3 updates on fixed rollouts."""
+"""RL update at dp2 and tp2 matches one process: loss and grad norm over 3 updates on fixed rollouts."""
+import pytest
 import torch
 
 from parallel.testing import run_distributed
@@ -22,7 +23,7 @@ def _fixed_rollouts():
     return out, adv
 
 
-def _rl_updates(rank, world):
+def _rl_updates(rank, world, tp=1):
     from conftest import SMALL_MODEL
     from megak3.config import load_model_config
     from megak3.data.config import DataConfig
@@ -41,7 +42,7 @@ def _rl_updates(rank, world):
     job = JobConfig(model=load_model_config("k3_tiny", **SMALL_MODEL), data=DataConfig(vocab_size=512),
                     optim=OptimConfig(lr=3e-3, warmup_steps=0, ns_dtype="float32"),
                     train=TrainConfig(max_steps=3, global_batch_size=world, micro_batch_size=1, seed=5),
-                    parallel=ParallelConfig(backend="gloo", timeout_s=120)).validate(world)
+                    parallel=ParallelConfig(tp=tp, backend="gloo", timeout_s=120)).validate(world)
     ps = init_parallel(job.parallel, model_cfg=job.model) if world > 1 else ParallelState.single()
     out = {}
     for agg in ("token", "sequence"):
@@ -53,14 +54,18 @@ def _rl_updates(rank, world):
             rec = runner.update(samples, adv)
             runner.version += 1
             out[agg].append((rec["loss"], rec["grad_norm"]))
+        rows = {k: v.shape[0] for k, v in runner.engine.model.state_dict().items() if "lm_head" in k}
+        out["lm_head_rows"] = sorted(rows.values())  # the engine's copy is sharded like the trainer's
     return out
 
 
-def test_rl_dp2_matches_one_process():
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
+def test_rl_dp2_and_tp2_match_one_process(tp):
     ref = _rl_updates(0, 1)
-    dp = run_distributed(_rl_updates, 2, timeout_s=300)
+    dp = run_distributed(_rl_updates, 2, tp, timeout_s=300)
     for agg in ("token", "sequence"):
         for r in dp:
             for (l1, g1), (l2, g2) in zip(ref[agg], r[agg]):
                 assert abs(l1 - l2) <= 1e-4 and abs(g1 - g2) <= 1e-4, (agg, ref[agg], r[agg])
         assert ref[agg][0][0] != ref[agg][2][0]  # the policy moved
+    assert all(r["lm_head_rows"] == [512 // tp] for r in dp), dp[0]["lm_head_rows"]

@@ -18,9 +18,11 @@ One iteration (:meth:`RLRunner.iteration`):
    global-norm clip, Muon/AdamW, QB bias update).
 5. The policy version goes up by one and the engine's model is refit from the trainer's in memory.
 
-Layouts: one process and data parallelism (each rank trains its contiguous slice of the update's samples;
-the loss is normalised by the count over the data-parallel group, so gradients match one process).
-Tensor, pipeline, context and expert parallelism raise an error naming ``parallel.*`` (not built yet).
+Layouts: one process, data parallelism (each rank trains its contiguous slice of the update's samples; the
+loss is normalised by the count over the data-parallel group, so gradients match one process) and tensor
+parallelism without sequence parallelism (the engine's model has the trainer's plan, so the refit copies
+each rank's own shards; token logprobs come from the vocabulary-parallel cross entropy). Pipeline, context
+and expert parallelism and sequence parallelism raise an error naming the ``parallel.*`` field.
 """
 from __future__ import annotations
 
@@ -110,11 +112,27 @@ class RLConfig:
         return self
 
 
-def check_layout(ps: ParallelState) -> None:
-    for name, size in (("tp", ps.tp_size), ("pp", ps.pp_size), ("cp", ps.cp_size), ("ep", ps.ep_size)):
+def check_layout(ps: ParallelState, job: JobConfig) -> None:
+    for name, size in (("pp", ps.pp_size), ("cp", ps.cp_size), ("ep", ps.ep_size)):
         if size > 1:
-            raise ValueError(f"parallel.{name}={size}: the RL loop runs one process or data parallelism; "
-                             f"set parallel.{name}=1")
+            raise ValueError(f"parallel.{name}={size}: the RL loop runs one process, data and tensor "
+                             f"parallelism; set parallel.{name}=1")
+    if ps.tp_size > 1 and job.parallel.sequence_parallel:
+        raise ValueError("parallel.sequence_parallel=true: the RL loop's tensor parallelism keeps whole "
+                         "sequences; set parallel.sequence_parallel=false")
+
+
+def engine_model(job: JobConfig, ps: ParallelState, device, dtype) -> torch.nn.Module:
+    """The engine's copy of the policy, laid out like the trainer's (same parallelize plan, so a refit is
+    a local copy of this rank's shards), with the same quantisation."""
+    from parallel.materialize import materialize
+    from parallel.parallelize import parallelize
+
+    m = build_model(job.model, device="meta")
+    plan = parallelize(m, ps, job.parallel, job.moonep)
+    materialize(m, plan, job.train.seed, job.model.init_std, device)
+    apply_quantization(m, job.quant)
+    return m.to(dtype=dtype).eval()
 
 
 @torch.no_grad()
@@ -178,22 +196,18 @@ class RLRunner:
                  budgets: Optional[Callable[[], List[int]]] = None):
         self.job, self.rl, self.tokenizer = job, rl.validate(), tokenizer
         self.ps = ps = ps or ParallelState.single()
-        check_layout(ps)
+        check_layout(ps, job)
         self.rs = RankStep(job, ps, device, grad_accum=1)
         self.model = self.rs.model
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[rl.engine_dtype]
-        emodel = build_model(job.model, init=False)
-        apply_quantization(emodel, job.quant)  # the engine samples from the same (fake-)quantised model
-        emodel = emodel.to(device=device, dtype=dtype).eval()
-        self.engine = Engine(emodel, tokenizer, **(engine_options or {}))
+        # the engine samples from the same (fake-)quantised model, in the same layout
+        self.engine = Engine(engine_model(job, ps, device, dtype), tokenizer, **(engine_options or {}))
         if init_from:
             src = Engine.from_pretrained(init_from, device=device).model
             copy_weights(src, self.model)
         self.ref_model = None
         if rl.loss.kl_coef > 0:
-            self.ref_model = build_model(job.model, init=False)
-            apply_quantization(self.ref_model, job.quant)
-            self.ref_model = self.ref_model.to(device).eval()
+            self.ref_model = engine_model(job, ps, device, torch.float32)
             copy_weights(self.model, self.ref_model)
         self.teachers = [Engine.from_pretrained(p.strip(), device=device).model
                          for p in rl.mopd_teachers.split(",") if p.strip()]
@@ -297,7 +311,16 @@ class RLRunner:
     # ---------------------------------------------------------------------------------- update
     def _logp(self, model, mb) -> tuple:
         out = model(mb["input_ids"], cu_seqlens=mb["cu_seqlens"], return_logits=True)
-        return token_logprobs(out.logits, mb["targets"]), out.moe_stats
+        V = self.job.model.vocab_size
+        if out.logits.shape[-1] == V:
+            return token_logprobs(out.logits, mb["targets"]), out.moe_stats
+        # tensor parallel: this rank's vocabulary columns; log p = -(vocab-parallel cross entropy)
+        from parallel.tensor_parallel.vocab import vocab_parallel_cross_entropy
+
+        Vl = out.logits.shape[-1]
+        nll = vocab_parallel_cross_entropy(out.logits.reshape(-1, Vl).float(), mb["targets"].reshape(-1),
+                                           self.ps.tp_group, reduction="none")
+        return -nll.view(mb["targets"].shape), out.moe_stats
 
     def update(self, samples: List[Rollout], adv_N: torch.Tensor) -> dict:
         """One optimizer step on ``samples`` (every rank passes the same list; each trains its slice)."""

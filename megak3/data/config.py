@@ -14,7 +14,8 @@ from typing import Optional, Tuple
 
 DEMO = "demo"
 DEMO_VISION = "demo_vision"
-DEMOS = (DEMO, DEMO_VISION)
+DEMO_SFT = "demo_sft"
+DEMOS = (DEMO, DEMO_VISION, DEMO_SFT)
 PREPROCESS_HINT = "run: python tools/preprocess_data.py --input <files or dirs> --output-prefix {prefix} --train-tokenizer"
 
 
@@ -33,7 +34,8 @@ class DataConfig:
 
     path: str = DEMO
     """dataset prefix (``/x/y`` for ``/x/y.bin`` + ``/x/y.idx``), "demo" for the built-in stdlib corpus, or
-    "demo_vision" for the built-in rendered-shapes image-text corpus"""
+    "demo_vision" for the built-in rendered-shapes image-text corpus, or "demo_sft" for the built-in chat corpus
+    (megak3/posttrain/demo_sft.py; trains on assistant tokens only)"""
     tokenizer: Optional[str] = None
     """path to tokenizer.json; None = ``tokenizer.json`` beside the dataset (automatic for "demo")"""
     cache_dir: str = field(default_factory=default_cache_dir)
@@ -77,6 +79,10 @@ def resolve_dataset(cfg: DataConfig) -> Tuple[str, str]:
     from megak3.data.indexed import IndexedDataset  # local: keeps `import config` free of numpy
 
     cfg.validate()
+    if cfg.path == DEMO_SFT:
+        from megak3.posttrain.demo_sft import build_demo_sft_dataset
+
+        return build_demo_sft_dataset(os.path.expanduser(cfg.cache_dir), vocab_size=cfg.vocab_size)
     if cfg.path == DEMO_VISION:
         from megak3.data.demo_vision import build_demo_vision_dataset
 

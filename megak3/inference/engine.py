@@ -46,7 +46,16 @@ class _Seq:
 
 
 class Engine:
-    """Generation over a K3 model (the module docstring; the contract in megak3/inference/__init__.py)."""
+    """Generation over a K3 model (the module docstring; the contract in docs/INTERFACES.md).
+
+    ``Engine(model, tokenizer=None, page_size=16, num_pages=None, checkpoint_interval=512,
+    checkpoint_mode="all", host_pages=0, prefill_chunk=256, max_batch=32)``: ``page_size`` tokens per
+    prefix block / MLA page; ``num_pages`` the pool (cache memory budget; default: four full-context
+    sequences plus 64 KDA checkpoints); ``checkpoint_interval`` tokens between KDA checkpoints;
+    ``checkpoint_mode`` "all" | "last" | "none" (megak3/inference/cache.py); ``host_pages`` the host
+    tier; ``prefill_chunk`` tokens per prefill step; ``max_batch`` sequences running at once.
+    The pool is fp32 whatever the model dtype.
+    """
 
     def __init__(self, model, tokenizer=None, *, page_size: int = 16, num_pages: Optional[int] = None,
                  checkpoint_interval: int = 512, checkpoint_mode: str = "all", host_pages: int = 0,

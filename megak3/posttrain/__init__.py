@@ -1,0 +1,13 @@
+"""Post-training: supervised fine-tuning on chat data and RL with partial rollouts.
+
+    chat.py       the chat template (role headers framed by <|bos|> ... <|eos|>) and its training mask
+    sft_data.py   chat JSON lines -> SFT indexed dataset + mask twin -> packed rows of whole conversations
+    demo_sft.py   the built-in chat corpus (data=demo_sft) and its verifiable tasks
+    objective.py  group advantages, truncated per-token staleness weights, the clipped policy loss
+    rewards.py    exact answers, the effort-control override, MOPD's per-token reward
+    buffer.py     rollouts with a policy version and a behaviour logprob per token; the rollout buffer
+    rollout.py    partial rollouts on the in-process engine (pause / resume with caches kept)
+    rl.py         the RL loop (RLRunner): generate, reward, update through RankStep, refit
+    resume.py     kill -9 safe RL state (policy file, buffer file, journal of finished samples)
+    __main__.py   python -m megak3.posttrain: RL from a checkpoint, with a shuffled-reward control
+"""

@@ -1,0 +1,74 @@
+"""The megak3 chat template: conversations as token ids, with a mask of the tokens SFT trains on.
+
+Every message is framed by the tokenizer's reserved ids, with the role name as ordinary text::
+
+    <|bos|> role "\\n" content <|eos|>        (role: system | user | assistant | tool)
+
+so the template needs no new vocabulary and works with every megak3 tokenizer (ids 0-3 are
+reserved: <|pad|> <|bos|> <|eos|> <|media|>, megak3/data/tokenizer.py). The pieces are encoded
+separately and concatenated as ids, so the framing never depends on how BPE merges across a
+boundary. A generation prompt ends with the open assistant header ``<|bos|> assistant "\\n"``; the
+model's answer ends with ``<|eos|>``, which the generation engine always treats as a stop.
+
+Training mask: the content tokens of every assistant message and its closing ``<|eos|>`` (the
+model must learn to stop); everything else (system/user/tool messages, every role header) is
+context only. Images in messages are not supported yet (a clear error says so).
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+ROLES = ("system", "user", "assistant", "tool")
+TRAINED_ROLE = "assistant"
+
+
+class ChatFormatError(ValueError):
+    """A conversation does not follow the chat JSON-lines format; the message names the fix."""
+
+
+def check_messages(messages, where: str = "conversation") -> List[dict]:
+    """Return ``messages`` as a list of ``{"role", "content"}`` dicts, or raise :class:`ChatFormatError`."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatFormatError(f"{where}: 'messages' must be a non-empty list of {{\"role\", \"content\"}} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ChatFormatError(f"{where}: messages[{i}] must be an object with 'role' and 'content'")
+        if m["role"] not in ROLES:
+            raise ChatFormatError(f"{where}: messages[{i}].role={m['role']!r} must be one of {', '.join(ROLES)}")
+        if not isinstance(m["content"], str):
+            raise ChatFormatError(f"{where}: messages[{i}].content must be a string (images in chat data are "
+                                  "not supported yet)")
+        if m.get("images"):
+            raise ChatFormatError(f"{where}: messages[{i}] has images; image-text chat data is not supported yet")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def _header(tokenizer, role: str) -> List[int]:
+    return [tokenizer.bos_id] + tokenizer.encode(role + "\n")
+
+
+def encode_chat(tokenizer, messages: Sequence[dict]) -> Tuple[List[int], List[int]]:
+    """``(ids, mask)`` of a whole conversation: ``mask[i] = 1`` where ``ids[i]`` is trained on."""
+    ids: List[int] = []
+    mask: List[int] = []
+    for m in check_messages(list(messages)):
+        head = _header(tokenizer, m["role"])
+        body = tokenizer.encode(m["content"]) + [tokenizer.eos_id]
+        trained = 1 if m["role"] == TRAINED_ROLE else 0
+        ids += head + body
+        mask += [0] * len(head) + [trained] * len(body)
+    return ids, mask
+
+
+def generation_prompt(tokenizer, messages: Sequence[dict]) -> List[int]:
+    """Ids of ``messages`` followed by the open assistant header: what the engine continues."""
+    ids, _ = encode_chat(tokenizer, messages) if messages else ([], [])
+    return ids + _header(tokenizer, TRAINED_ROLE)
+
+
+def labels_from_mask(ids: Sequence[int], mask: Sequence[int], ignore_index: int = -100) -> List[int]:
+    """Next-token labels of one conversation: ``labels[j] = ids[j+1]`` where ``mask[j+1]``, else ignored."""
+    n = len(ids)
+    return [ids[j + 1] if j + 1 < n and mask[j + 1] else ignore_index for j in range(n)]

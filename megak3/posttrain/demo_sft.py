@@ -1,0 +1,101 @@
+"""The built-in chat corpus (``data=demo_sft``) and its verifiable tasks, generated from seeds (no download).
+
+Conversation ``i`` is drawn by a generator seeded by ``i`` from five task families, each with one
+exact answer::
+
+    add        "What is 7 + 12?"                      -> "19"
+    next       "What number comes after 41?"          -> "42"
+    reverse    "Reverse the letters of 'stone'."      -> "enots"
+    upper      "Write 'river' in capital letters."    -> "RIVER"
+    first      "What is the first letter of 'cloud'?" -> "c"
+
+A quarter of the conversations open with a system message and a fifth have a second user/assistant
+turn, so the assistant-only mask is exercised on multi-turn data. :func:`task` gives the prompt
+messages and the exact answer of any family for RL (megak3/posttrain/rewards.py scores it).
+
+The byte-level BPE tokenizer is trained on the corpus's rendered text (chat template included) and
+the dataset is written by :func:`megak3.posttrain.sft_data.write_sft_dataset`; built once per
+(format, vocab size, conversation count) under the data cache, atomically like the text demo.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+from typing import List, Tuple
+
+import numpy as np
+
+FORMAT_VERSION = 1
+NUM_CONVERSATIONS = 6000
+PREFIX_NAME = "data"
+FAMILIES = ("add", "next", "reverse", "upper", "first")
+WORDS = ("apple", "river", "stone", "cloud", "tiger", "green", "house", "light", "music", "ocean", "plant",
+         "queen", "sugar", "table", "water", "zebra", "bread", "chair", "dream", "earth", "flame", "grape",
+         "horse", "juice", "knife", "lemon", "mouse", "night", "onion", "paper", "radio", "snake", "train",
+         "uncle", "voice", "wheel", "youth", "cat", "dog", "sun", "moon", "star", "tree", "book", "fish",
+         "bird", "rain", "snow", "wind", "fire")
+SYSTEM = ("You are a helpful assistant.", "Answer briefly.", "Reply with the answer only.")
+
+
+def task(family: str, rng: np.random.Generator) -> Tuple[str, str]:
+    """(question, exact answer) of one task of ``family``."""
+    if family == "add":
+        a, b = int(rng.integers(0, 20)), int(rng.integers(0, 20))
+        return f"What is {a} + {b}?", str(a + b)
+    if family == "next":
+        n = int(rng.integers(0, 99))
+        return f"What number comes after {n}?", str(n + 1)
+    w = WORDS[int(rng.integers(len(WORDS)))]
+    if family == "reverse":
+        return f"Reverse the letters of '{w}'.", w[::-1]
+    if family == "upper":
+        return f"Write '{w}' in capital letters.", w.upper()
+    if family == "first":
+        return f"What is the first letter of '{w}'?", w[0]
+    raise ValueError(f"family={family!r} must be one of {', '.join(FAMILIES)}")
+
+
+def conversation(i: int) -> List[dict]:
+    """Conversation ``i`` of the corpus (a list of chat messages)."""
+    rng = np.random.default_rng([28, i])
+    msgs = []
+    if rng.random() < 0.25:
+        msgs.append({"role": "system", "content": SYSTEM[int(rng.integers(len(SYSTEM)))]})
+    for _ in range(2 if rng.random() < 0.2 else 1):
+        q, a = task(FAMILIES[int(rng.integers(len(FAMILIES)))], rng)
+        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    return msgs
+
+
+def rl_prompts(n: int, family: str = "add", seed: int = 0) -> List[Tuple[List[dict], str]]:
+    """``n`` (prompt messages, exact answer) pairs of ``family``, drawn apart from the SFT corpus's seeds."""
+    rng = np.random.default_rng([29, seed])
+    return [([{"role": "user", "content": q}], a) for q, a in (task(family, rng) for _ in range(n))]
+
+
+def build_demo_sft_dataset(cache_dir, vocab_size: int = 512, num_conversations: int = NUM_CONVERSATIONS,
+                           progress: bool = True) -> Tuple[str, str]:
+    """Build (once) and return ``(prefix, tokenizer_path)`` of the chat demo under ``cache_dir``."""
+    from megak3.data.demo import publish_cache_entry
+    from megak3.data.tokenizer import train_bpe_tokenizer
+    from megak3.posttrain.sft_data import write_sft_dataset
+
+    key = hashlib.sha256(f"megak3-demo-sft v{FORMAT_VERSION} vocab={vocab_size} n={num_conversations}".encode())
+    entry = Path(os.path.expanduser(str(cache_dir))) / f"demo-sft-v{vocab_size}-{key.hexdigest()[:16]}"
+    prefix, tok_path = entry / PREFIX_NAME, entry / "tokenizer.json"
+
+    def build(tmp: Path) -> dict:
+        convs = [conversation(i) for i in range(num_conversations)]
+        text = ("\n".join(f"{m['role']}\n{m['content']}" for m in c) for c in convs)
+        tok = train_bpe_tokenizer(text, vocab_size, tmp / "tokenizer.json")
+        stats = write_sft_dataset(convs, tmp / PREFIX_NAME, tok)
+        stats.update(prefix=str(prefix), tokenizer=str(tok_path), vocab_size=tok.vocab_size)
+        return stats
+
+    stats = publish_cache_entry(entry, build)
+    if stats is not None and progress:
+        print(f"demo_sft corpus: {stats['conversations']} conversations, {stats['tokens']} tokens "
+              f"({stats['trained_tokens']} trained)", file=sys.stderr)
+    return str(prefix), str(tok_path)

@@ -46,14 +46,15 @@ def resolve_checkpoint(path) -> Tuple[str, Path]:
 
 
 def _tokenizer_for(kind: str, ckpt_dir: Path, config: Optional[dict], explicit):
+    from ..data.config import DEMOS
     from ..data.tokenizer import load_tokenizer
 
     candidates = [explicit] if explicit else []
     candidates += [ckpt_dir / "tokenizer.json", ckpt_dir.parent / "tokenizer.json",
                    ckpt_dir.parent.parent / "tokenizer.json"]
     data = (config or {}).get("data") or {}
-    if not explicit and data:
-        try:
+    if not explicit and data and data.get("path") not in (None, *DEMOS):
+        try:  # a run from before runs kept their tokenizer.json: the dataset's (a demo is never built here)
             from ..data.config import DataConfig, resolve_dataset
 
             candidates.append(resolve_dataset(DataConfig(**data))[1])

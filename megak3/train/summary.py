@@ -107,3 +107,17 @@ def save_config(run_dir, config_dict: Optional[dict]) -> Optional[Path]:
     tmp.write_text(yaml.safe_dump(config_dict, sort_keys=False))
     tmp.replace(path)
     return path
+
+
+def save_tokenizer(run_dir, tokenizer_path) -> Path:
+    """Copy the run's tokenizer to RUN_DIR/tokenizer.json (atomically), so the run directory alone is
+    enough to generate from (megak3.inference.loading looks there first)."""
+    import shutil
+
+    path = Path(run_dir) / "tokenizer.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    shutil.copyfile(tokenizer_path, tmp)
+    tmp.replace(path)
+    return path
+

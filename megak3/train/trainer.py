@@ -91,6 +91,7 @@ class Trainer:
         # data first: a bad path fails before the model is built
         prefix, tok_path = self._resolve_data()
         self.tokenizer = load_tokenizer(tok_path)
+        self.tokenizer_path = tok_path
         if self.tokenizer.vocab_size > job.model.vocab_size:
             raise ValueError(f"tokenizer {tok_path} has {self.tokenizer.vocab_size} tokens but model.vocab_size="
                              f"{job.model.vocab_size}; raise model.vocab_size or use a smaller data.vocab_size")
@@ -407,6 +408,8 @@ class Trainer:
                              config_dict=self.config_dict, start_step=self.step)
         gpu = GPUTelemetry(verbose=self.rank == 0) if job.logging.nvml and self.device.type == "cuda" else None
         config_path = summary.save_config(self.run_dir, self.config_dict) if self.rank == 0 else None
+        if self.rank == 0:
+            summary.save_tokenizer(self.run_dir, self.tokenizer_path)
         for line in summary.startup_lines(job, self.ps, self.plan, self.model, self.run_dir, self.dataset_prefix,
                                           self.dataset_tokens, self.grad_accum, self.flops_per_token, self.peak,
                                           config_path):

@@ -101,12 +101,17 @@ def test_rolling_windows_beyond_the_context_and_truncated_contexts(run):
 
 
 
-def test_chat_template_is_the_servers(run):
-    from megak3.inference.server import render_chat
+def test_chat_template_is_the_sft_template(run):
+    """--apply_chat_template renders megak3's chat template (the one SFT trains on and the server
+    uses) as text, and the adapter then encodes it to exactly the template's ids."""
+    from megak3.posttrain.chat import encode_chat, generation_prompt
 
     path, _, _ = run
     lm = Megak3LM(checkpoint=str(path))
     turns = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
-    assert lm.apply_chat_template(turns) == "user: 2+2?\nassistant: 4\nassistant:" == render_chat(turns)
-    assert lm.apply_chat_template(turns, add_generation_prompt=False) == "user: 2+2?\nassistant: 4"
+    text = lm.apply_chat_template(turns)
+    assert text == "<|bos|>user\n2+2?<|eos|><|bos|>assistant\n4<|eos|><|bos|>assistant\n"
+    assert lm.tok_encode(text) == generation_prompt(lm.tok, turns)
+    open_turn = lm.apply_chat_template(turns, add_generation_prompt=False)
+    assert lm.tok_encode(open_turn) == encode_chat(lm.tok, turns)[0][:-1]      # the last reply continued
     assert lm.tokenizer_name.startswith("megak3:")

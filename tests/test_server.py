@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from megak3.inference import Engine
-from megak3.inference.server import make_server, render_chat
+from megak3.inference.server import make_server
+from megak3.posttrain.chat import generation_prompt
 from test_generate_cli import greedy_reference, make_tiny_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +79,7 @@ def test_chat_and_concurrent_requests(served):
     st, r = _json(port, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 6, "temperature": 0,
                                                           "logprobs": True})
     assert st == 200 and r["object"] == "chat.completion"
-    ref = greedy_reference(model, tok.encode(render_chat(msgs)), 6, eos=tok.eos_id)
+    ref = greedy_reference(model, generation_prompt(tok, msgs), 6, eos=tok.eos_id)   # the SFT template
     assert r["choices"][0]["message"] == {"role": "assistant",
                                           "content": tok.decode(ref[:-1] if ref[-1] == tok.eos_id else ref)}
     assert len(r["choices"][0]["logprobs"]["content"]) == len(ref)

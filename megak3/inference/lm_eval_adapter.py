@@ -54,6 +54,8 @@ class Megak3LM(LM):
                  batch_size=16, max_batch_size: Optional[int] = None, engine=None, threads: Optional[int] = None,
                  **unused):
         super().__init__()
+        self._chat = False
+        """set by apply_chat_template: strings are then encoded with the chat template's reserved ids"""
         if threads is not None:
             torch.set_num_threads(max(1, int(threads)))
         if engine is None:
@@ -85,6 +87,10 @@ class Megak3LM(LM):
         return self.tok.eos_id
 
     def tok_encode(self, text: str) -> List[int]:
+        if self._chat:  # after apply_chat_template: reserved strings are ids
+            from megak3.posttrain.chat import encode_chat_text
+
+            return encode_chat_text(self.tok, text)
         return self.tok.encode(text)
 
     def tok_decode(self, ids) -> str:
@@ -99,18 +105,21 @@ class Megak3LM(LM):
         ctx = self.tok_encode(context)
         return (ctx if ctx else [self.eot_token_id]), whole[len(ctx):]
 
-    # ---- chat (--apply_chat_template): the server's plain-text template --------------------------------
+    # ---- chat (--apply_chat_template): megak3's chat template (megak3/posttrain/chat.py), as text -------
     @property
     def tokenizer_name(self) -> str:
         return f"megak3:{getattr(self.tok, 'path', 'tokenizer')}"
 
     def chat_template(self, chat_template=False) -> str:
-        return "megak3-plain: {role}: {content}\n ... assistant:"
+        return "megak3: <|bos|>{role}\n{content}<|eos|> ... <|bos|>assistant\n"
 
     def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
-        from megak3.inference.server import render_chat
+        """The conversation as text with the reserved token strings; from here on the adapter encodes
+        strings with :func:`encode_chat_text`, so they become the ids SFT trained on."""
+        from megak3.posttrain.chat import render_chat_text
 
-        return render_chat(chat_history, add_generation_prompt)
+        self._chat = True
+        return render_chat_text(self.tok, chat_history, add_generation_prompt)
 
     # ---- scoring ------------------------------------------------------------------------------------
     def _score_pairs(self, pairs: List[Tuple[List[int], List[int]]]) -> List[Tuple[float, bool]]:

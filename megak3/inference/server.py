@@ -23,8 +23,9 @@ probability, ``top_logprobs`` is null; chat: ``true``, ``top_logprobs`` empty), 
 but are not implemented (``echo``, ``best_of`` > 1, non-zero ``presence_penalty`` /
 ``frequency_penalty``, a non-empty ``logit_bias``) are refused; other fields are ignored.
 
-Chat messages are rendered with a plain-text template, since megak3's tokenizers have no chat
-tokens: ``"{role}: {content}\\n"`` per message, then ``"assistant:"``.
+Chat messages are rendered with megak3's chat template, the one SFT trains on
+(megak3/posttrain/chat.py: ``<|bos|>role\\n content <|eos|>`` per message from the tokenizer's reserved
+ids, then the open ``<|bos|>assistant\\n`` header); roles are system, user, assistant or tool.
 
 Bad requests (malformed JSON, a wrong type or value, a prompt that leaves no room in the context)
 get HTTP 400 with ``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``, an
@@ -58,20 +59,6 @@ class RequestError(ValueError):
     def __init__(self, message: str, param: Optional[str] = None, status: int = 400):
         super().__init__(message)
         self.param, self.status = param, status
-
-
-def render_chat(messages, add_generation_prompt: bool = True) -> str:
-    """The plain-text chat template (module docstring); without ``add_generation_prompt`` the
-    trailing ``"assistant:"`` is left off (the last message is continued)."""
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages must be a non-empty list of {\"role\", \"content\"} objects", "messages")
-    parts = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise RequestError(f"messages[{i}] must be an object with string \"role\" and \"content\"", "messages")
-        parts.append(f"{m['role']}: {m['content']}\n")
-    text = "".join(parts)
-    return text + "assistant:" if add_generation_prompt else text.removesuffix("\n")
 
 
 class _Batcher:
@@ -258,7 +245,13 @@ class Service:
     def chat_prompt(self, body) -> List[List[int]]:
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")
-        return self._prompts({"prompt": render_chat(body.get("messages"))})
+        from megak3.posttrain.chat import ChatFormatError, generation_prompt
+
+        try:
+            ids = generation_prompt(self.engine.tokenizer, body.get("messages"))
+        except ChatFormatError as e:
+            raise RequestError(str(e), "messages") from None
+        return self._prompts({"prompt": [ids]})
 
     def chat(self, body) -> dict:
         prompts = self.chat_prompt(body)

@@ -68,6 +68,37 @@ def generation_prompt(tokenizer, messages: Sequence[dict]) -> List[int]:
     return ids + _header(tokenizer, TRAINED_ROLE)
 
 
+def render_chat_text(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    """The template as text, the reserved ids written as their token strings (``<|bos|>user\n...
+    <|eos|>``), for APIs that pass prompts as strings (lm-eval's chat template). Without
+    ``add_generation_prompt`` the last message is left open (no ``<|eos|>``) to be continued.
+    :func:`encode_chat_text` turns it back into exactly :func:`generation_prompt`'s ids."""
+    bos, eos = (tokenizer.hf.id_to_token(i) for i in (tokenizer.bos_id, tokenizer.eos_id))
+    msgs = check_messages(list(messages))
+    text = "".join(f"{bos}{m['role']}\n{m['content']}{eos}" for m in msgs)
+    return text + f"{bos}{TRAINED_ROLE}\n" if add_generation_prompt else text[: -len(eos)]
+
+
+def encode_chat_text(tokenizer, text: str) -> List[int]:
+    """Ids of a :func:`render_chat_text` string: the reserved token strings become their ids, each
+    role header (up to its first newline) and each content are encoded separately, as
+    :func:`encode_chat` does. Text without reserved strings is encoded as usual."""
+    bos, eos = (tokenizer.hf.id_to_token(i) for i in (tokenizer.bos_id, tokenizer.eos_id))
+    ids: List[int] = []
+    for j, turn in enumerate(text.split(bos)):
+        if j == 0:
+            ids += tokenizer.encode(turn) if turn else []
+            continue
+        head, nl, rest = turn.partition("\n")
+        ids += [tokenizer.bos_id] + tokenizer.encode(head + nl)
+        content, closed, tail = rest.partition(eos)
+        ids += tokenizer.encode(content) if content else []
+        if closed:
+            ids.append(tokenizer.eos_id)
+            ids += tokenizer.encode(tail) if tail else []
+    return ids
+
+
 def labels_from_mask(ids: Sequence[int], mask: Sequence[int], ignore_index: int = -100) -> List[int]:
     """Next-token labels of one conversation: ``labels[j] = ids[j+1]`` where ``mask[j+1]``, else ignored."""
     n = len(ids)

@@ -228,15 +228,40 @@ def _train(rank, world, corpus, run_dir, max_steps, par):
     return {h["step"]: h["loss"] for h in tr.history}
 
 
+@pytest.fixture(scope="module")
+def one_process(corpus_dataset, tmp_path_factory):
+    """(losses of a 4-step single-process run, the checkpoints/ of the same run stopped at step 2)."""
+    tmp = tmp_path_factory.mktemp("cp_resume")
+    ref = _train(0, 1, corpus_dataset, str(tmp / "ref"), 4, {})
+    _train(0, 1, corpus_dataset, str(tmp / "one"), 2, {})
+    return ref, tmp / "one" / "checkpoints"
+
+
 @pytest.mark.slow
-def test_checkpoint_saved_at_cp2_resumes_at_cp1(corpus_dataset, tmp_path):
-    ref = _train(0, 1, corpus_dataset, str(tmp_path / "ref"), 3, {})
+def test_checkpoint_saved_at_cp2_resumes_at_cp1(corpus_dataset, tmp_path, one_process):
+    """Two resumed steps each time: the second's loss depends on the restored optimizer state."""
+    ref = one_process[0]
     src = tmp_path / "cp2"
     saved = run_distributed(_train, 2, corpus_dataset, str(src), 2, {"cp": 2}, timeout_s=300)[0]
-    for s in (1, 2):
+    for s in (1, 2):  # steps 1-2 do not depend on max_steps (warmup, then the cosine's start)
         assert abs(saved[s] - ref[s]) <= 1e-4 * abs(ref[s]), (saved, ref)
     d = tmp_path / "cp1"
     shutil.copytree(src / "checkpoints", d / "checkpoints")
-    resumed = _train(0, 1, corpus_dataset, str(d), 3, {})
-    assert list(resumed) == [3]  # resumed at step 2
-    assert abs(resumed[3] - ref[3]) <= 1e-4 * abs(ref[3]), (resumed, ref)
+    resumed = _train(0, 1, corpus_dataset, str(d), 4, {})
+    assert list(resumed) == [3, 4]  # resumed at step 2
+    for s in (3, 4):
+        assert abs(resumed[s] - ref[s]) <= 1e-4 * abs(ref[s]), (resumed, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("par", [{"cp": 2}, {"tp": 2, "sequence_parallel": True}], ids=["cp2", "tp2-sp"])
+def test_one_process_checkpoint_resumes_at_cp2_and_tp2(corpus_dataset, tmp_path, par, one_process):
+    """A trainer checkpoint of one process resumed into cp > 1 / tp > 1 continues the run."""
+    ref, checkpoints = one_process
+    d = tmp_path / "resumed"
+    shutil.copytree(checkpoints, d / "checkpoints")
+    out = run_distributed(_train, 2, corpus_dataset, str(d), 4, par, timeout_s=300)
+    for resumed in out:
+        assert list(resumed) == [3, 4], resumed
+        for s in (3, 4):
+            assert abs(resumed[s] - ref[s]) <= 1e-4 * abs(ref[s]), (resumed, ref)

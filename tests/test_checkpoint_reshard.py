@@ -83,11 +83,11 @@ def test_tp2_ep2_pp2_checkpoint_resumes_at_other_layouts(corpus_dataset, tmp_pat
     shutil.copytree(src / "checkpoints", d / "checkpoints")
     one = _train(0, 1, corpus_dataset, str(d), 4, {})
     _check([one], (3, 4), ref)
-    # the last two updates, made from the restored momentum / Adam moments, are the reference's: the
-    # weights' distance to the reference is tiny against those updates (a lost or mis-sliced state
-    # changes an update by a large fraction of itself)
+    # the last two updates, made from the restored momentum / Adam moments, are the reference's: each
+    # tensor within 10% of its two updates (measured < 1%); a lost optimizer state moves every tensor by
+    # 39% to 190% of them (tests/test_context_parallel.py::_check_resume), step 4's loss by only 4e-5
     at2 = _train(0, 1, corpus_dataset, str(tmp_path / "ref2"), 2, {})["weights"]  # steps 1-2 ignore max_steps
     rel = {n: float((one["weights"][n] - w).norm() / (w - at2[n]).norm())
            for n, w in full["weights"].items() if (w - at2[n]).norm() > 0}
     assert len(rel) > 0.9 * len(full["weights"])
-    assert max(rel.values()) <= 1e-2, max(rel.items(), key=lambda kv: kv[1])
+    assert max(rel.values()) <= 0.1, sorted(rel.items(), key=lambda kv: -kv[1])[:3]

@@ -201,3 +201,49 @@ def test_1f1b_holds_at_most_p_micro_batches():
         per_mb = peak["afab"][r] / m
         assert peak["1f1b"][r] <= (p - r) * per_mb * 1.02 + 1024, (r, peak)
         assert peak["1f1b"][r] >= (p - r) * per_mb * 0.9, (r, peak)
+
+
+# ---- schedules in combined layouts, production step ----------------------------------------------
+def _combined_steps(rank, world, tp, sp, cp, dp, schedule, vp):
+    """3 production steps (RankStep: pipeline engine inside tp / cp / dp groups); rank 0's losses and
+    global gradient norms."""
+    from megak3.train.step import RankStep, all_reduce_sum
+    from parallel.parity import parity_job
+    from parallel.state import init_parallel
+
+    job = parity_job(tp, dp, sp, PARITY_MODEL, 4, 32, 5, 1e-3, 3, cp=cp, pp=2)
+    job.parallel.pp_schedule, job.parallel.vp = schedule, vp
+    job.parallel.pp_split_blocks = vp > 1
+    job.train.micro_batch_size = 1  # 4 / dp micro-batches a step through the pipeline
+    ps = init_parallel(job.parallel, model_cfg=job.model)
+    rs = RankStep(job, ps, "cpu", grad_accum=4 // dp)
+    losses, norms = [], []
+    for step in range(3):
+        ids, labels, _ = global_batch(step, 4, 32, job.model.vocab_size)
+        ids, labels, _ = local_rows(ids, labels, ps.dp_rank, dp)
+        micro = [dict(zip(("input_ids", "labels", "cu_seqlens"), local_rows(ids, labels, i, len(ids))))
+                 for i in range(len(ids))]
+        rec = rs.accumulate(micro)
+        out = rs.apply(step, 3)
+        losses.append(float(all_reduce_sum(rec["loss_sum"].clone(), [ps.dp_cp_group])) / float(rec["step_tokens"]))
+        norms.append(float(out["grad_norm"]))
+    return {"losses": losses, "norms": norms}
+
+
+COMBINED = {"pp2-tp2sp-zb_h1": (2, True, 1, 1, "zb_h1", 1), "pp2-cp2-afab": (1, False, 2, 1, "afab", 1),
+            "pp2-dp2-interleaved_vp2": (1, False, 1, 2, "interleaved_1f1b", 2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(COMBINED))
+def test_schedules_in_combined_layouts_match_one_process(name):
+    from parallel.parity import run_steps
+
+    tp, sp, cp, dp, schedule, vp = COMBINED[name]
+    ref = run_steps(0, 1, 1, 1, False, 3, PARITY_MODEL, batch=4, seqlen=32, seed=5, lr=1e-3)
+    got = run_distributed(_combined_steps, 2 * tp * cp * dp, tp, sp, cp, dp, schedule, vp, timeout_s=300)
+    for r in got:
+        for a, b in zip(r["losses"], ref["losses"]):
+            assert abs(a - b) <= 1e-4 * abs(b), (name, r["losses"], ref["losses"])
+        for a, b in zip(r["norms"], ref["grad_norms"]):
+            assert abs(a - b) <= 1e-4 * abs(b), (name, r["norms"], ref["grad_norms"])

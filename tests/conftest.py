@@ -10,6 +10,20 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("WANDB_MODE", "offline")
 torch.set_num_threads(1)  # xdist runs one worker per core
 
+@pytest.fixture(autouse=True)
+def no_leaked_process_group():
+    """A test that leaves a default process group alive in the pytest process fails (in its teardown),
+    and the group is destroyed so the tests after it start clean."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        backend = dist.get_backend()
+        dist.destroy_process_group()
+        pytest.fail(f"this test left a torch.distributed process group ({backend}) alive; destroy it "
+                    "(parallel.state.destroy_parallel or dist.destroy_process_group) in a finally block")
+
+
 # The parity model (k3_tiny's structure at tiny widths) with 2 heads: trains in milliseconds.
 SMALL_MODEL = {**PARITY_MODEL, "kda.num_heads": 2, "mla.num_heads": 2}
 

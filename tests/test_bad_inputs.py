@@ -11,7 +11,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -151,6 +150,11 @@ TOOLS = [  # (tool, argv, fragment)
 
 RANK0_FAILS = ("import sys; sys.argv = ['megak3.train', 'parallel.tp=3']\n"
                "from megak3.train.__main__ import main; main()\n")
+# the race of issue 26: rank 1 fails first and torchrun stops rank 0 while it is still importing
+# (here: sleeping until stopped), so rank 0 never prints; the launcher prints the line rank 1 recorded
+RANK0_STOPPED = ("import os, sys, time\n"
+                 "if os.environ['RANK'] == '0':\n"
+                 "    time.sleep(300)\n" + RANK0_FAILS)
 
 COMMANDS = [  # real processes: (argv, fragment)
     ([PY, "-m", "megak3.train", "model=k3_nope"], "model=k3_nope: no such option"),
@@ -162,6 +166,8 @@ COMMANDS = [  # real processes: (argv, fragment)
     # a script the wrapper cannot check: the ranks stop, rank 0 prints, torchrun's report is not shown
     ([PY, "-m", "megak3.launch.torchrun", "--standalone", "--nproc-per-node", "2", "SCRIPT"],
      "parallel.tp*cp*pp = 3*1*1 = 3 does not divide world_size=2"),
+    ([PY, "-m", "megak3.launch.torchrun", "--standalone", "--nproc-per-node", "2", "STOPPED"],
+     "megak3.train: error: parallel.tp*cp*pp = 3*1*1 = 3 does not divide world_size=2"),
     ([PY, str(ROOT / "tools" / "launch.py"), "--nproc", "3", "--dry-run", "parallel=tp2_sp"], TP2_ON_3),
     ([PY, str(ROOT / "tools" / "preprocess_data.py"), "--input", "IN", "--output-prefix", "OUT/x",
       "--train-tokenizer", "--vocab-size", "10"], "--vocab-size=10 must be >= 260"),
@@ -229,24 +235,52 @@ def test_tool_mistakes_are_one_line(tmp_path, monkeypatch, capsys):
     assert not list(work.iterdir()) and not (tmp_path / "out").exists()
 
 
-def _run(argv, cwd, env):
-    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-
-
-def test_commands_are_one_line_and_write_nothing(tmp_path):
+@pytest.mark.parametrize("argv,fragment", COMMANDS, ids=[f"{i}-" + "-".join(Path(x).name for x in a[1:3]) for i, (a, _) in enumerate(COMMANDS)])
+def test_commands_are_one_line_and_write_nothing(argv, fragment, tmp_path):
+    """One process per test (no threads racing for the cores), in an empty directory that stays empty."""
     subs = _inputs(tmp_path)
-    script = tmp_path / "rank0_fails.py"
-    script.write_text(RANK0_FAILS)
-    subs["SCRIPT"] = str(script)
+    for name, text in (("SCRIPT", RANK0_FAILS), ("STOPPED", RANK0_STOPPED)):
+        (tmp_path / f"{name}.py").write_text(text)
+        subs[name] = str(tmp_path / f"{name}.py")
     work = tmp_path / "work"
     work.mkdir()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmds = [[subs.get(a, a.replace("OUT", subs["OUT"])) for a in argv] for argv, _ in COMMANDS]
-    with ThreadPoolExecutor(3) as pool:
-        results = list(pool.map(lambda c: _run(c, work, env), cmds))
-    for (argv, fragment), r in zip(COMMANDS, results):
-        _assert_one_line(r.returncode, r.stderr, fragment)
+    argv = [subs.get(a, a.replace("OUT", subs["OUT"])) for a in argv]
+    r = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    _assert_one_line(r.returncode, r.stderr, fragment)
     assert not list(work.iterdir()) and not (tmp_path / "out").exists()
+
+
+class _Failure:  # torchrun's ProcessFailure: exit code and the message read from the rank's error file
+    def __init__(self, exitcode, message=""):
+        self.exitcode, self.message = exitcode, message
+
+
+LINE = "megak3.train: error: parallel.tp=3 ..."
+
+
+@pytest.mark.parametrize("failures,expected", [
+    ({0: _Failure(2, LINE), 1: _Failure(2, LINE)}, None),  # rank 0 printed
+    ({1: _Failure(2, LINE), 0: _Failure(-15, "Signal 15 (SIGTERM) received by PID 7")}, LINE),  # the race
+    ({1: _Failure(2, LINE)}, LINE),  # rank 0 exited 0, or runs on another node
+    ({3: _Failure(2, "To enable traceback see: ..."), 2: _Failure(-15)}, "rank 3 stopped on a user error"),
+])
+def test_launcher_prints_a_user_error_rank_0_did_not(failures, expected):
+    from megak3.launch.torchrun import unprinted_user_error
+
+    line = unprinted_user_error(failures)
+    assert line == expected if expected in (None, LINE) else expected in line
+
+
+def test_record_user_error_writes_what_torchrun_reads(tmp_path):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from megak3.launch.torchrun import record_user_error
+
+    path = tmp_path / "error.json"
+    record_user_error(LINE, env={"TORCHELASTIC_ERROR_FILE": str(path)})
+    assert ProcessFailure(local_rank=1, pid=1, exitcode=2, error_file=str(path)).message == LINE
+    record_user_error(LINE, env={})  # outside torchrun: nothing to write, no error
 
 
 @pytest.mark.parametrize("codes,expected", [([75, 75], 75), ([75, -15], 75), ([2, 2], 2), ([2, -15], 2),

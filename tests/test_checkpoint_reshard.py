@@ -1,9 +1,11 @@
 """Per-shard checkpoints load into any layout, reading only each rank's own boxes.
 
 A checkpoint written at tp2 x ep2 x pp2 (8 gloo ranks, MoonEP, 1F1B, SP) resumes at ep4 x edp2
-(8 ranks, tp1, no pipeline), at pp4 (4 ranks, blocks split) and on one process; the next step's
-loss equals the uninterrupted single-process run's, and every rank reads no more payload bytes
-than the shards it holds (model tensors + the optimizer state it owns).
+(8 ranks, tp1, no pipeline), at pp4 (4 ranks, blocks split) and on one process; the next two
+steps' losses equal the uninterrupted single-process run's (the second depends on the restored
+optimizer state, not only the weights), the one-process resume ends with the reference's weights,
+and every rank reads no more payload bytes than the shards it holds (model tensors + the optimizer
+state it owns).
 """
 import shutil
 
@@ -47,13 +49,16 @@ def _train(rank, world, corpus, run_dir, max_steps, par):
     ps = init_parallel(job.parallel, model_cfg=job.model) if world > 1 else ParallelState.single()
     tr = Trainer(job, run_dir, pstate=ps)
     tr.fit()
-    return {"history": tr.history, "load": getattr(tr, "load_stats", None)}
+    weights = {n: p.detach().clone() for n, p in tr.model.named_parameters()} if world == 1 else None
+    return {"history": tr.history, "load": getattr(tr, "load_stats", None), "weights": weights}
 
 
-def _check(results, want_step, ref):
+def _check(results, want_steps, ref):
     for r in results:
         got = {h["step"]: h["loss"] for h in r["history"]}
-        assert abs(got[want_step] - ref[want_step]) <= REL * abs(ref[want_step]), (got, ref)
+        assert sorted(got) == list(want_steps), got
+        for s in want_steps:
+            assert abs(got[s] - ref[s]) <= REL * abs(ref[s]), (got, ref)
         load = r["load"]
         if load is not None:
             print(f"read {load['bytes_read']} B payload + {load['meta_bytes_read']} B metadata, "
@@ -62,7 +67,8 @@ def _check(results, want_step, ref):
 
 
 def test_tp2_ep2_pp2_checkpoint_resumes_at_other_layouts(corpus_dataset, tmp_path):
-    ref = {h["step"]: h["loss"] for h in _train(0, 1, corpus_dataset, str(tmp_path / "ref"), 3, {})["history"]}
+    full = _train(0, 1, corpus_dataset, str(tmp_path / "ref"), 4, {})
+    ref = {h["step"]: h["loss"] for h in full["history"]}
     src = tmp_path / "src"
     saved = run_distributed(_train, 8, corpus_dataset, str(src), 2,
                             {"tp": 2, "ep": 2, "pp": 2, "sequence_parallel": True}, timeout_s=300)
@@ -71,9 +77,17 @@ def test_tp2_ep2_pp2_checkpoint_resumes_at_other_layouts(corpus_dataset, tmp_pat
     for name, world, par in (("ep4", 8, {"ep": 4}), ("pp4", 4, {"pp": 4, "pp_split_blocks": True})):
         d = tmp_path / name
         shutil.copytree(src / "checkpoints", d / "checkpoints")
-        out = run_distributed(_train, world, corpus_dataset, str(d), 3, par, timeout_s=300)
-        assert [h["step"] for h in out[0]["history"]] == [3]  # resumed at step 2
-        _check(out, 3, ref)
+        out = run_distributed(_train, world, corpus_dataset, str(d), 4, par, timeout_s=300)
+        _check(out, (3, 4), ref)  # resumed at step 2
     d = tmp_path / "one"
     shutil.copytree(src / "checkpoints", d / "checkpoints")
-    _check([_train(0, 1, corpus_dataset, str(d), 3, {})], 3, ref)
+    one = _train(0, 1, corpus_dataset, str(d), 4, {})
+    _check([one], (3, 4), ref)
+    # the last two updates, made from the restored momentum / Adam moments, are the reference's: each
+    # tensor within 10% of its two updates (measured < 1%); a lost optimizer state moves every tensor by
+    # 39% to 190% of them (tests/test_context_parallel.py::_check_resume), step 4's loss by only 4e-5
+    at2 = _train(0, 1, corpus_dataset, str(tmp_path / "ref2"), 2, {})["weights"]  # steps 1-2 ignore max_steps
+    rel = {n: float((one["weights"][n] - w).norm() / (w - at2[n]).norm())
+           for n, w in full["weights"].items() if (w - at2[n]).norm() > 0}
+    assert len(rel) > 0.9 * len(full["weights"])
+    assert max(rel.values()) <= 0.1, sorted(rel.items(), key=lambda kv: -kv[1])[:3]

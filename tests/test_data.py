@@ -334,10 +334,16 @@ def test_build_demo_dataset_on_a_small_file_list(corpus, tmp_path, monkeypatch):
     assert len(ds) == len(small) and tok.vocab_size <= 300
     assert tok.decode(ds.doc(0)) == small[0].read_text(encoding="utf-8") + "<|eos|>"
     mtime = os.path.getmtime(prefix + ".bin")
-    t0 = time.perf_counter()
+    import megak3.data.preprocessing as preprocessing
+
+    builds = []
+    real = preprocessing.preprocess
+    monkeypatch.setattr(preprocessing, "preprocess", lambda *a, **k: builds.append(a) or real(*a, **k))
     again = demo_mod.build_demo_dataset(tmp_path / "cache", vocab_size=300, workers=2, progress=False)
-    assert again == (prefix, tok_path) and time.perf_counter() - t0 < 0.5 and os.path.getmtime(prefix + ".bin") == mtime
+    # reused: nothing preprocessed (a counter, not a clock) and the file untouched
+    assert again == (prefix, tok_path) and builds == [] and os.path.getmtime(prefix + ".bin") == mtime
     assert demo_mod.build_demo_dataset(tmp_path / "cache", vocab_size=280, progress=False)[0] != prefix
+    assert len(builds) == 1  # another vocabulary is another build: the counter sees builds
     assert [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")] == []  # no temp dirs
     # resolve_dataset builds/reuses the demo through DataConfig
     cfg = DataConfig(path="demo", cache_dir=str(tmp_path / "cache"), vocab_size=300)

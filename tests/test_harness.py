@@ -96,7 +96,7 @@ def test_hang_times_out_naming_ranks():
     assert [r[0] for r in run_distributed(_all_reduce_rank, 2, 1.0)] == [3.0, 3.0]
     t0 = time.monotonic()
     with pytest.raises(DistributedTestError) as info:
-        run_distributed(_hang_on_rank1, 2, timeout_s=3)
+        run_distributed(_hang_on_rank1, 2, timeout_s=8)
     elapsed = time.monotonic() - t0
     msg = str(info.value)
     assert "timed out" in msg and "ranks [0, 1] of 2 had not finished" in msg
@@ -104,7 +104,7 @@ def test_hang_times_out_naming_ranks():
     stacks0, stacks1 = msg.split("--- stacks of rank 0")[1].split("--- stacks of rank 1")
     assert "in all_reduce" in stacks0 and "in _hang_on_rank1" in stacks0
     assert "in all_reduce" not in stacks1 and "in _hang_on_rank1" in stacks1
-    assert 3 <= elapsed < 3 + 8
+    assert elapsed >= 8  # never before the timeout (one-sided: a busy machine only adds time)
 
 
 def test_hard_exit_reports_exit_code():

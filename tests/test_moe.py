@@ -1,4 +1,6 @@
 """Router, GroupedExperts and Stable LatentMoE against the K3_SPEC.md §14 reference loop."""
+import copy
+
 import pytest
 import torch
 from torch.func import functional_call
@@ -217,8 +219,27 @@ def test_latent_moe_few_tokens(T):
     assert moe.experts.w1.grad is not None  # zero, not None, even without tokens
 
 
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
 def test_latent_moe_bf16_runs_with_fp32_bias():
+    """bf16 weights and input: the output and every gradient against the fp32 reference on the same
+    (bf16-valued) weights and input, within bf16 rounding, with the same routing."""
     moe = _moe(small_cfg()).to(torch.bfloat16)
-    y, stats = moe(torch.randn(5, 32, dtype=torch.bfloat16))
+    ref = copy.deepcopy(moe).float()
+    x = torch.randn(24, 32, generator=torch.Generator().manual_seed(3)).bfloat16().requires_grad_()
+    x32 = x.detach().float().requires_grad_()
+    y, stats = moe(x)
     assert y.dtype == torch.bfloat16 and stats.scores_TE.dtype == torch.float32
     assert moe.gate.e_score_correction_bias.dtype == torch.float32
+    y_ref, _, counts_ref = ref_latent_moe(ref, x32, 3)
+    assert torch.equal(stats.tokens_per_expert_E, counts_ref)            # routing agrees
+    assert _rel(y.float(), y_ref) < 1e-2                                  # bf16: 8 mantissa bits
+    dy = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(4))
+    got = torch.autograd.grad(y, [x, *moe.parameters()], dy.bfloat16())
+    want = torch.autograd.grad(y_ref, [x32, *ref.parameters()], dy)
+    names = ["x"] + [n for n, _ in moe.named_parameters()]
+    for n, a, b in zip(names, got, want):
+        assert a.dtype == (torch.bfloat16 if n == "x" else moe.get_parameter(n).dtype), n
+        assert _rel(a.float(), b) < 2e-2, (n, _rel(a.float(), b))

@@ -153,7 +153,10 @@ def _layer_case(rank, world, tolerance, autocast):
 def test_dispatcher_tolerance_and_replica_buffer(tolerance, autocast):
     from parallel.testing import run_distributed
 
-    tol = 2e-2 if autocast else 1e-5                     # bf16 compute vs bf16 compute, other order
+    # bf16 compute vs bf16 compute in another order: each bf16-rounded GEMM output (and each rank's
+    # partial weight gradient) differs by its rounding, 2^-9 relative; measured <= 2.4e-3 in norm.
+    # 4e-3 = 2 x 2^-9: one token of the 64 lost or weighted twice moves a gradient by ~1.5e-2.
+    tol = 4e-3 if autocast else 1e-5
     for errs, facts, allocs, fallbacks, cap in run_distributed(_layer_case, 4, tolerance, autocast, timeout_s=300):
         worst = max(errs.items(), key=lambda kv: kv[1])
         assert worst[1] <= tol, (tolerance, autocast, worst)

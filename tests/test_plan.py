@@ -3,6 +3,7 @@ attention), hand-computed ZeRO-1 bytes, the activation coefficients re-measured 
 not fitted on, and the peak tensor memory of real k3_tiny-sized training steps on this machine
 (torch.profiler's allocation events, one or more gloo ranks)."""
 import importlib.util
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -39,6 +40,36 @@ def test_flops_agree_with_param_counter():
     cfg = load_model_config("k3_full")
     n_mla = cfg.layer_kinds().count("mla")
     assert P.flops_per_token(cfg, 1000)["mla_scores"] == n_mla * 96 * (128 + 64 + 128) * 1000
+
+
+def test_flops_against_torch_flop_counter():
+    """An independent count: torch's FlopCounterMode over a real k3_tiny forward (T=64, experts as
+    one GEMM per expert so every routed token's FLOPs are counted)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megak3.model.k3 import build_model
+
+    cfg = load_model_config("k3_tiny", **TINY)
+    model = build_model(cfg, seed=0)
+    for mod in model.modules():
+        if hasattr(mod, "use_grouped_mm"):
+            mod.use_grouped_mm = "loop"
+    T = 64
+    with torch.no_grad(), FlopCounterMode(display=False, depth=None) as counter:
+        model(torch.randint(0, cfg.vocab_size, (1, T)))
+    counts = {mod: {str(op): n for op, n in ops.items()} for mod, ops in counter.get_flop_counts().items()}
+    gemm = counts["Global"].get("aten.mm", 0) + counts["Global"].get("aten.addmm", 0)
+
+    def core(kind):  # the attention cores' batched matmuls, per kind of layer
+        return sum(counts.get(f"K3Model.layers.{i}.self_attn", {}).get(op, 0)
+                   for i, k in enumerate(cfg.layer_kinds()) if k == kind for op in ("aten.bmm", "aten.baddbmm"))
+
+    f = P.flops_per_token(cfg, T)
+    # the planner's 2 x active params also counts the few non-GEMM params (norms, convs, A_log: 0.44% here)
+    assert 0.99 * f["matmul_forward"] <= gemm / T <= f["matmul_forward"]
+    assert f["matmul_forward"] == pytest.approx(f["forward"] - f["mla_scores"] - f["kda_recurrence"], rel=1e-9)
+    assert core("mla") / T == 2 * f["mla_scores"]  # the counter counts the causal square in full
+    assert core("kda") / T == pytest.approx(f["kda_recurrence"], rel=0.1)  # the chunked form: +8% at C=64
 
 
 def test_zero1_bytes_by_hand():
@@ -354,9 +385,14 @@ def test_qb_statistics_memory_and_comm(capsys):
     t_rank = t_group / (16 * 8)
     assert ex["persistent"] == L * t_rank * E * 4 and ex["transient"] == 2 * t_group * E * 4
     assert ex["comm"] == pytest.approx(L * (t_group - t_rank) * E * 4)
-    # auto (and an unknown or missing value) picks the histogram above 64 MiB of margins
+    # auto picks the histogram above 64 MiB of margins; an unknown value is a user error
     assert P.qb_method(cfg, replace(pc, qb_method="auto")) == "histogram"
-    assert P.qb_method(cfg, replace(pc, qb_method="bogus")) == "histogram"
+    with pytest.raises(ValueError, match=r"model.moe.qb_method='bogus': choose one of auto, exact, histogram"):
+        replace(pc, qb_method="bogus").resolved()
+    with pytest.raises(ValueError, match=r"model.moe.qb_method='bogus'"):
+        P.qb_method(cfg, replace(pc, qb_method="bogus"))
+    from megak3.model.balancing import QB_METHODS
+    assert P.QB_METHODS == QB_METHODS  # the planner's copy of the trainer's choices
     tiny = load_model_config("k3_tiny")
     small = P.PlanConfig(world_size=2, seq_len=256, global_batch_size=8, qb_method="auto").resolved()
     assert P.qb_method(tiny, small) == "exact"  # 2048 tokens x 32 experts x 4 B
@@ -365,9 +401,15 @@ def test_qb_statistics_memory_and_comm(capsys):
     st = p["memory"]
     assert st["qb_stats"] == _moe_layers_of(st, cfg) * (E * 4096 * 8 + 8) and p["comm_bytes_per_step"]["qb"] > 0
     tool = _tool()
-    assert tool.main(["model=k3_full", "parallel.tp=8", "parallel.pp=16", "parallel.ep=64", "world_size=2048",
-                      "gpu=h200", "model.moe.qb_method=exact"]) in (0, 1)
+    args = ["model=k3_full", "parallel.tp=8", "parallel.pp=16", "parallel.ep=64", "world_size=2048", "gpu=h200"]
+    code = tool.main(args + ["model.moe.qb_method=exact", "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert code == (0 if plan["fits"] else 1) and plan["memory"]["qb_method"] == "exact"
+    assert tool.main(args + ["model.moe.qb_method=exact"]) == code
     assert "QB statistics" in capsys.readouterr().out
+    assert tool.main(args + ["model.moe.qb_method=bogus"]) == 2
+    err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert len(err) == 1 and "model.moe.qb_method='bogus': choose one of auto, exact, histogram" in err[0], err
 
 
 

@@ -95,8 +95,10 @@ def test_cp_tokens_per_rank_and_no_quadratic_term():
 
 
 def test_cp1_plans_unchanged():
-    """cp = 1 (the default) plans exactly as before CP was added (values recorded from the planner
-    of commit ab7a108), and the default search at seq 4096 tries cp = 1 only."""
+    """cp = 1 (the default) plans exactly as before CP was added. A regression pin: the 12-digit
+    values were recorded from the planner of commit ab7a108 (its own output, so they prove only that
+    nothing moved); the hand-derived figures below each pin are the independent check. The default
+    search at seq 4096 tries cp = 1 only."""
     full, tiny = load_model_config("k3_full"), load_model_config("k3_tiny", **TINY)
     hw = load_hardware("h200")
     p = P.make_plan(full, P.PlanConfig(tp=8, pp=16, ep=64, world_size=2048), hw)
@@ -106,9 +108,19 @@ def test_cp1_plans_unchanged():
             "tp": 236760072192.0, "tp_grad_sync": 2567775616.0}
     assert {k: p["comm_bytes_per_step"][k] for k in want} == pytest.approx(want, rel=1e-12)
     assert p["comm_bytes_per_step"]["cp"] == 0 and p["time"]["cp_s"] == 0 and p["layout"]["cp"] == 1
+    # by hand: stage 0 sends per micro-batch its output and the attention-residual blocks (93 layers /
+    # 12 per block = 8 finished + the partial), [4096 / tp=8 tokens (SP), 7168] bf16, and receives
+    # their gradients: 64 micro-batches (1024 sequences / dp=16)
+    assert full.attn_res_block_size == 12 and full.hidden_size == 7168
+    assert p["layout"]["micro_batches"] == 1024 // 16 == 64
+    assert want["pp"] == 2 * 64 * (8 + 1) * (4096 // 8) * 7168 * 2
     p = P.make_plan(tiny, P.PlanConfig(tp=2, world_size=4, precision="fp32", seq_len=256, micro_batch_size=2), hw)
     assert p["memory"]["total"] == pytest.approx(275076560.0, rel=1e-12)
     assert p["time"]["step_s"] == pytest.approx(0.6262176562868604, rel=1e-12)
+    # by hand: QB histograms [32 experts x 4096 bins] int64 + 8 B, per MoE layer (8 of 9), reduced
+    # over tp=2 then dp=2 (ring all-reduce: 2 x (n-1)/n of the payload each)
+    assert sum(tiny.is_moe_layer(i) for i in range(tiny.num_layers)) == 8
+    assert p["comm_bytes_per_step"]["qb"] == 8 * 2 * (32 * 4096 * 8 + 8) * (1 / 2 + 1 / 2)
     p = P.make_plan(full, P.PlanConfig(tp=8, pp=8, ep=64, world_size=1024, activation_checkpointing=False,
                                        qb_method="exact"), hw)
     assert p["memory"]["total"] == pytest.approx(462452788146.60803, rel=1e-12)

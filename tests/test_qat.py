@@ -2,6 +2,10 @@
 explicitly fake-quantized independent computation. The MXFP4 export of a QAT model (tools/convert_hf.py)
 is tested in tests/test_hf_interop.py."""
 
+import contextlib
+import sys
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,17 +15,25 @@ from megak3.config import load_model_config
 from megak3.model.k3 import build_model
 from megak3.model.moe import GroupedExperts
 from megak3.ops.situ import situ_glu
-from megak3.quant import QuantConfig, apply_quantization, mx
+from megak3.quant import QuantConfig, apply_quantization
 from megak3.quant.qat import MXFakeQuant, expert_modules, set_expert_qat
 from megak3.quant.te import MXFP8Linear, TE_MISSING, dense_linear_names, te_available
+from test_mx import ref_quantize
 
 FP4, FP8 = "fp4_e2m1", "fp8_e4m3"
 QAT = QuantConfig(qat="mxfp4_experts")
 
 
 def fq(x, fmt, mode="floor"):
-    """Explicit dequantize(quantize(x)) through the packed representation."""
-    return mx.dequantize(*mx.quantize(x, fmt, 32, mode), fmt, 32, x.dtype)
+    """Fake quantization by the independent reference: tests/test_mx.py's NumPy implementation of the
+    OCP MX rule (float64, blocks of 32 along the last dim; it shares no code with megak3/quant/mx.py)."""
+    deq = ref_quantize(x.detach().double().numpy(), fmt, mode)[2]
+    return torch.from_numpy(deq).reshape(x.shape).to(x.dtype)
+
+
+def ste(x, fmt, mode="floor"):
+    """fq(x) in the forward, the identity in the backward (straight-through)."""
+    return x + (fq(x, fmt, mode) - x).detach()
 
 
 def small_model(seed=0, **over):
@@ -135,13 +147,20 @@ def test_switching_qat_on_changes_only_the_experts():
         h.remove()
     apply_quantization(m, QAT)                        # switch on an existing (e.g. resumed) model
     got, hooks = _capture(m, names)
+    ex = m.get_submodule("layers.1.mlp.experts")
+    seen = {}
+    hooks.append(ex.register_forward_hook(lambda mod, inp, out: seen.update(z=inp[0].detach(), counts=inp[1])))
     with torch.no_grad():
         logits_q = m(x).logits
     for n in names[:-1]:
         assert torch.equal(got[n], ref[n]), n         # upstream of the first experts: bit-identical
+    # the experts' output is the explicitly fake-quantized computation on the inputs they were given
+    W1, W3, W2 = (fq(w.detach(), FP4) for w in (ex.w1, ex.w3, ex.w2))
+    want, _, _ = _explicit_forward(W1, W3, W2, fq(seen["z"], FP8), seen["counts"])
+    torch.testing.assert_close(got["layers.1.mlp.experts"], want, rtol=1e-5, atol=1e-6)
     rel = ((got["layers.1.mlp.experts"] - ref["layers.1.mlp.experts"]).norm()
            / ref["layers.1.mlp.experts"].norm()).item()
-    assert 1e-3 < rel < 0.3
+    assert rel > 1e-3                                 # and QAT changed it
     assert not torch.equal(logits_q, logits_fp)
     assert m.state_dict().keys() == before.keys()     # checkpoints stay interchangeable
     assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
@@ -214,22 +233,34 @@ def test_fp8_emulate_converts_exactly_the_dense_linears():
     a = torch.randn(5, lin.in_features)
     assert torch.equal(lin(a), F.linear(fq(a, FP8), fq(lin.weight.detach(), FP8)))
     out = m(x).logits
-    rel = ((out - ref).norm() / ref.norm()).item()
-    # each MXFP8 GEMM is ~4% off (x and W each ~2.9%, in quadrature); ~50 of them feed the logits of
-    # this random-init model, and independent errors add in quadrature: sqrt(50) * 0.04 ~ 0.28
-    assert 0.01 < rel < 0.5
-    out.sum().backward()
-    assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
+    # the whole model against a copy whose same linears compute F.linear(fq(x), fq(W)) by the NumPy
+    # reference, straight-through: logits and every gradient
+    twin = small_model()
+    for n in names:
+        twin_lin = twin.get_submodule(n)
+        twin_lin.forward = lambda a, l=twin_lin: F.linear(ste(a, FP8), ste(l.weight, FP8), l.bias)
+    want = twin(x).logits
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert ((out - ref).norm() / ref.norm()).item() > 0.01       # and FP8 changed them
+    out.float().square().mean().backward()
+    want.float().square().mean().backward()
+    grads = dict(twin.named_parameters())
+    for k, p in m.named_parameters():
+        torch.testing.assert_close(p.grad, grads[k].grad, rtol=1e-4, atol=1e-6, msg=k)
+    assert lin.weight.grad.abs().sum() > 0
     apply_quantization(m, QuantConfig())                                  # revert
     assert not any(isinstance(mod, MXFP8Linear) for mod in m.modules())
     with torch.no_grad():
         assert torch.equal(m(x).logits, ref)
 
 
-@pytest.mark.skipif(te_available(), reason="Transformer Engine and CUDA are present")
-def test_fp8_te_without_te_or_cuda_raises_clearly():
+def test_fp8_te_without_te_or_cuda_raises_clearly(monkeypatch):
+    """Runs everywhere: whatever Transformer Engine this machine has is hidden."""
     from megak3.quant.te import fp8_autocast_context
 
+    for name in ("transformer_engine", "transformer_engine.pytorch"):
+        monkeypatch.setitem(sys.modules, name, None)   # import -> ImportError
+    assert not te_available()
     with pytest.raises(ValueError, match="use quant.fp8=emulate on CPU"):
         apply_quantization(small_model(), QuantConfig(fp8="te"))
     with pytest.raises(ValueError, match=TE_MISSING.split(";")[0]):
@@ -254,3 +285,89 @@ def test_te_recipe_follows_the_gpu_and_refuses_the_stateful_one():
     with pytest.raises(ValueError, match="DelayedScaling") as e:
         _te_recipe(module(), 9)
     assert str(e.value) == TE_STATEFUL and "\n" not in TE_STATEFUL
+
+
+def _fake_te(monkeypatch, capability=(9, 0), recipes=("Float8CurrentScaling", "Float8BlockScaling",
+                                                      "MXFP8BlockScaling"), new_api=True):
+    """A stand-in Transformer Engine (its Linear is a plain nn.Linear with TE's constructor; autocast
+    records the recipe) and a CUDA device of ``capability``: the te path's plumbing on CPU. The real
+    TE kernels are exercised on a GPU by tools/gpu_check.py."""
+    entered = []
+
+    class Linear(torch.nn.Linear):
+        def __init__(self, in_features, out_features, bias=True, params_dtype=None, device=None):
+            super().__init__(in_features, out_features, bias=bias, dtype=params_dtype, device=device)
+
+    @contextlib.contextmanager
+    def autocast(enabled, recipe):
+        entered.append((enabled, type(recipe).__name__))
+        yield
+
+    @contextlib.contextmanager
+    def fp8_autocast(enabled, fp8_recipe):
+        entered.append((enabled, type(fp8_recipe).__name__))
+        yield
+
+    te, te_torch = types.ModuleType("transformer_engine"), types.ModuleType("transformer_engine.pytorch")
+    common, recipe = types.ModuleType("transformer_engine.common"), types.ModuleType("transformer_engine.common.recipe")
+    te_torch.Linear = Linear
+    if new_api:
+        te_torch.autocast = autocast
+    else:
+        te_torch.fp8_autocast = fp8_autocast
+    for n in recipes + ("DelayedScaling",):
+        setattr(recipe, n, type(n, (), {}))
+    te.pytorch, te.common, common.recipe = te_torch, common, recipe
+    for name, mod in (("transformer_engine", te), ("transformer_engine.pytorch", te_torch),
+                      ("transformer_engine.common", common), ("transformer_engine.common.recipe", recipe)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    return Linear, entered
+
+
+def test_fp8_te_swaps_exactly_the_dense_linears_with_copied_weights(monkeypatch):
+    from megak3.quant.te import fp8_autocast_context
+
+    m = small_model()
+    x = tokens()
+    with torch.no_grad():
+        ref = m(x).logits
+    params = dict(m.named_parameters())
+    Linear, entered = _fake_te(monkeypatch)
+    apply_quantization(m, QuantConfig(fp8="te"))
+    names = dense_linear_names(m)
+    assert names and all(type(m.get_submodule(n)) is Linear for n in names)
+    assert sum(type(mod) is Linear for mod in m.modules()) == len(names)
+    for n in names:  # new Parameters holding the same values, under the same names
+        new = m.get_submodule(n).weight
+        assert new is not params[n + ".weight"] and torch.equal(new, params[n + ".weight"])
+    assert dict(m.named_parameters()).keys() == params.keys()
+    with fp8_autocast_context(QuantConfig(fp8="te")), torch.no_grad():
+        assert torch.equal(m(x).logits, ref)      # the stand-in computes what nn.Linear does
+    assert entered == [(True, "Float8BlockScaling")]  # Hopper's recipe
+
+
+@pytest.mark.parametrize("capability,new_api,recipe", [((10, 0), True, "MXFP8BlockScaling"),
+                                                       ((8, 9), False, "Float8CurrentScaling")])
+def test_fp8_te_recipe_and_autocast_api_follow_the_machine(monkeypatch, capability, new_api, recipe):
+    from megak3.quant.te import fp8_autocast_context
+
+    _, entered = _fake_te(monkeypatch, capability, new_api=new_api)
+    with fp8_autocast_context(QuantConfig(fp8="te")):
+        pass
+    assert entered == [(True, recipe)]
+
+
+def test_fp8_te_refuses_old_gpus_and_stateful_te_before_swapping(monkeypatch):
+    from megak3.quant.te import TE_STATEFUL
+
+    m = small_model()
+    Linear, _ = _fake_te(monkeypatch, capability=(8, 0))
+    with pytest.raises(ValueError, match=r"needs an FP8 GPU \(sm89\+\), this one is sm80"):
+        apply_quantization(m, QuantConfig(fp8="te"))
+    _fake_te(monkeypatch, capability=(9, 0), recipes=())
+    with pytest.raises(ValueError) as e:
+        apply_quantization(m, QuantConfig(fp8="te"))
+    assert str(e.value) == TE_STATEFUL
+    assert not any(type(mod) is Linear for mod in m.modules())

@@ -216,6 +216,8 @@ DEFAULT_STEP_TOKENS = 1024 * 4096
 
 QB_AUTO_EXACT_LIMIT = 64 * 2 ** 20
 """qb_method='auto': exact margins while tokens_per_step x num_experts x 4 B stays within this"""
+QB_METHODS = ("auto", "exact", "histogram")
+"""values of model.moe.qb_method (megak3.model.balancing.QB_METHODS; restated: the planner runs without the model)"""
 
 
 def default_global_batch(seq_len: int, micro_batch_size: int, dp: int, pp: int = 1,
@@ -265,7 +267,7 @@ class PlanConfig:
     max_replicas_per_rank: int = 0
     """moonep.max_replicas_per_rank: replica slots M per EP rank; 0 = num_experts / ep"""
     qb_method: str = ""
-    """'' = model.moe.qb_method; 'auto' | 'exact' | 'histogram' (anything else counts as 'auto')"""
+    """'' = model.moe.qb_method; 'auto' | 'exact' | 'histogram' (anything else: ValueError)"""
     qb_bins: int = 0
     """0 = model.moe.qb_bins (4096 when the config has none)"""
     bucket_bytes: int = 40 * 2 ** 20
@@ -296,6 +298,8 @@ class PlanConfig:
             raise ValueError(f"data.vision_fraction={f!r} must be a number in [0, 1]")
         if isinstance(self.image_side, bool) or not isinstance(self.image_side, int) or self.image_side < 0:
             raise ValueError(f"data.image_side={self.image_side!r} must be an integer >= 0 (0 = the position grid)")
+        if self.qb_method not in ("",) + QB_METHODS:
+            raise ValueError(f"model.moe.qb_method={self.qb_method!r}: choose one of {', '.join(QB_METHODS)}")
         if self.precision not in ("bf16", "fp32"):
             raise ValueError(f"precision={self.precision!r} must be 'bf16' or 'fp32'")
         if self.param_dtype not in ("bf16", "fp32"):
@@ -738,11 +742,13 @@ def per_rank_figures(cfg: ModelConfig, pc: PlanConfig, stage="first", rank_in_st
 
 # ---- Quantile Balancing statistics -------------------------------------------------------------
 def qb_method(cfg: ModelConfig, pc: PlanConfig) -> str:
-    """'exact' or 'histogram': PlanConfig.qb_method, else model.moe.qb_method; 'auto' (and any
-    other or missing value) resolves as the trainer does (megak3.model.balancing.resolve_qb_method):
+    """'exact' or 'histogram': PlanConfig.qb_method, else model.moe.qb_method; 'auto' (and a
+    missing value) resolves as the trainer does (megak3.model.balancing.resolve_qb_method):
     the histogram when one layer's gathered margins, global batch x seq_len x num_experts x 4 B,
-    exceed 64 MiB, else exact margins."""
+    exceed 64 MiB, else exact margins. Any other value: ValueError naming the field."""
     m = pc.qb_method or getattr(cfg.moe, "qb_method", "auto")
+    if m not in QB_METHODS:
+        raise ValueError(f"model.moe.qb_method={m!r}: choose one of {', '.join(QB_METHODS)}")
     if m in ("exact", "histogram"):
         return m
     tokens = pc.global_batch_size * pc.seq_len

@@ -11,8 +11,10 @@ It runs torchrun (``torch.distributed.run``) in this process and differs from it
 * With ``-m megak3.train`` the overrides are composed and validated for nnodes x nproc-per-node
   ranks before any rank starts: a bad input prints one line and exits 2.
 * Exit status: 0; 75 (REQUEUE_EXIT_CODE) when the ranks exited 75 (ranks torchrun stopped after
-  that count as preempted); 2 when the ranks stopped on a user error (rank 0 printed it); else 1
-  with one line naming the first failed rank. torchrun's ChildFailedError report and log lines
+  that count as preempted); 2 when the ranks stopped on a user error (rank 0 printed it; when
+  rank 0 did not exit 2 on this node, e.g. torchrun stopped it during its imports because another
+  rank failed first, the line a rank recorded with :func:`record_user_error` is printed here,
+  once); else 1 with one line naming the first failed rank. torchrun's ChildFailedError report and log lines
   are not printed (``LOGLEVEL=INFO`` shows the log). SIGTERM / SIGUSR1 before the ranks have
   started stop torchrun and exit 75 as well (nothing to save; the requeued job starts over).
 """
@@ -20,11 +22,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Iterator, List, Mapping, Optional
 
 from .commands import TRAIN_MODULE
@@ -87,6 +91,35 @@ def exit_code(codes: List[int]) -> int:
         if code in codes and all(c == code or c in stopped for c in codes):
             return code
     return 1
+
+
+def record_user_error(line: str, env: Mapping[str, str] = os.environ) -> None:
+    """Write a rank's one-line user error to its torchrun error file (``TORCHELASTIC_ERROR_FILE``,
+    set by torchrun for each rank; nothing outside torchrun), where :func:`unprinted_user_error`
+    finds it."""
+    path = env.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    with contextlib.suppress(OSError):
+        with open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+
+
+def unprinted_user_error(failures: Mapping[int, object]) -> Optional[str]:
+    """The line to print for ranks that stopped on a user error (exit 2) when rank 0 did not print
+    it, i.e. global rank 0 is not among ``failures`` with exit code 2 (it was stopped before
+    printing, or it runs on another node); None when rank 0 printed. ``failures``: global rank ->
+    torchrun's ProcessFailure (``exitcode``, ``message``: the recorded line, if any)."""
+    first = failures.get(0)
+    if first is not None and first.exitcode == 2:
+        return None
+    for rank in sorted(failures):
+        message = getattr(failures[rank], "message", "")
+        if failures[rank].exitcode == 2 and isinstance(message, str) and message.startswith("megak3."):
+            return message
+    rank = min(r for r in failures if failures[r].exitcode == 2)
+    return (f"{PREFIX}: error: rank {rank} stopped on a user error (exit code 2) and recorded no message; "
+            "its output is above")
 
 
 def _local_ranks(nproc: str) -> Optional[int]:
@@ -161,7 +194,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if code == REQUEUE_EXIT_CODE:
             print(f"{PREFIX}: the ranks were preempted and saved a checkpoint; exiting {code} "
                   "(requeue, then train.resume=auto)", file=sys.stderr, flush=True)
-        elif code != 2:  # 2: a user error, already printed by rank 0
+        elif code == 2:  # a user error: rank 0 printed it, or a rank recorded it
+            line = unprinted_user_error(e.failures)
+            if line:
+                print(line, file=sys.stderr, flush=True)
+        else:
             rank, f = failures[0]
             how = f"signal {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 else f"exit code {f.exitcode}"
             print(f"{PREFIX}: error: rank {rank} failed with {how} (its output is above)", file=sys.stderr, flush=True)

@@ -40,7 +40,7 @@ from ..launch import commands
 from ..launch.config import LauncherConfig
 from ..launch.preemption import REQUEUE_EXIT_CODE, Preempted, catch_early
 from ..launch.sweep import error_line, write_status
-from ..launch.torchrun import forward_signals
+from ..launch.torchrun import forward_signals, record_user_error
 from .compose import check, split_launcher, to_job  # noqa: F401  (split_launcher, to_job: re-exported)
 
 
@@ -182,8 +182,7 @@ def job(cfg: DictConfig) -> int:
             print(f"megak3.train: {e}", file=sys.stderr, flush=True)
     except ValueError as e:  # user errors: one line from rank 0 (every rank has the same), no traceback
         status, error, code = "failed", str(e), 2
-        if rank == 0:
-            print(f"megak3.train: error: {e}", file=sys.stderr, flush=True)
+        _user_error(f"megak3.train: error: {e}", rank)
     except Exception as e:  # noqa: BLE001
         status, error, code = "failed", f"{type(e).__name__}: {e}".splitlines()[0], 1
         if not multirun:
@@ -194,6 +193,14 @@ def job(cfg: DictConfig) -> int:
         traceback.print_exc()
     _write(rank, job_dir, status, error, info, t0)
     return code
+
+
+def _user_error(line: str, rank: int) -> None:
+    """Rank 0 prints a user error; every rank records it for megak3.launch.torchrun, which prints it
+    when rank 0 could not (stopped by torchrun during its imports after another rank failed first)."""
+    record_user_error(line)
+    if rank == 0:
+        print(line, file=sys.stderr, flush=True)
 
 
 def read_child_status(job_dir: str) -> Optional[dict]:
@@ -234,8 +241,7 @@ def main() -> None:
         sys.exit(0)
     code, message = check(argv)  # bad input: one line, exit 2, before Hydra writes anything
     if code:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"megak3.train: error: {message}", file=sys.stderr, flush=True)
+        _user_error(f"megak3.train: error: {message}", int(os.environ.get("RANK", "0")))
         sys.exit(code)
     if int(os.environ.get("RANK", "0")) > 0:
         # only rank 0 writes Hydra's run directory and config copy; the others log nothing there

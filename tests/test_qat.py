@@ -279,7 +279,8 @@ def test_te_recipe_follows_the_gpu_and_refuses_the_stateful_one():
 
     full = module("MXFP8BlockScaling", "Float8BlockScaling", "Float8CurrentScaling")
     assert type(_te_recipe(full, 10)).__name__ == "MXFP8BlockScaling"
-    assert type(_te_recipe(full, 9)).__name__ == "Float8BlockScaling"
+    assert type(_te_recipe(full, 9, 0, "12.9", "2.3.0")).__name__ == "Float8BlockScaling"
+    assert type(_te_recipe(full, 9, 0, "12.8", "2.3.0")).__name__ == "Float8CurrentScaling"  # CUDA < 12.9
     assert type(_te_recipe(full, 8)).__name__ == "Float8CurrentScaling"
     assert type(_te_recipe(module("Float8CurrentScaling"), 9)).__name__ == "Float8CurrentScaling"
     with pytest.raises(ValueError, match="DelayedScaling") as e:
@@ -323,6 +324,8 @@ def _fake_te(monkeypatch, capability=(9, 0), recipes=("Float8CurrentScaling", "F
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(torch.version, "cuda", "12.9")          # Hopper block scaling needs CUDA >= 12.9
+    monkeypatch.setattr("megak3.quant.te._te_version", lambda: "2.3.0")   # ... and TE >= 2.3
     return Linear, entered
 
 

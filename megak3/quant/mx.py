@@ -72,8 +72,11 @@ def _shared_exponent(amax: torch.Tensor, fmt: str, scale_mode: str) -> torch.Ten
         _, e = torch.frexp(amax)                 # amax = m * 2^e, m in [0.5, 1): floor(log2) = e - 1
         s = e - 1 - EMAX[fmt]
     else:
-        m, e = torch.frexp(amax / MAX_NORMAL[fmt])
+        q = amax / MAX_NORMAL[fmt]
+        m, e = torch.frexp(q)
         s = torch.where(m == 0.5, e - 1, e)      # exact power of two: ceil(log2) = e - 1
+        # amax / max_normal below fp32's smallest subnormal rounds to 0: log2 < -149, clamped to -127
+        s = torch.where(q == 0, torch.full_like(s, -E8M0_BIAS), s)
     s = torch.where(amax == 0, torch.full_like(s, -E8M0_BIAS), s)
     return s.clamp(-E8M0_BIAS, E8M0_BIAS).to(torch.int32)
 

@@ -9,6 +9,11 @@ ways (``way`` decides; the test fails on a command it cannot place):
              searches that tests/test_plan_cp.py runs): its --help runs
   syntax     a shell script: ``bash -n``
   paths      the test suite or a compile step: the files it names exist
+  module     a package entry point that needs a checkpoint or a run (python -m megak3.generate,
+             megak3.posttrain, the lm-eval adapter): its --help runs
+  endpoint   a curl call to the generation server: the path it asks for is one the server routes
+             (tests/test_server.py sends the same requests to a live server)
+  assign     a shell variable assignment alone (R=$(...)): nothing to run
 """
 import contextlib
 import io
@@ -38,11 +43,20 @@ def commands(path: Path) -> list:
     return out
 
 
+MODULES = {"megak3.generate", "megak3.posttrain", "megak3.posttrain.sft_data", "megak3.inference.lm_eval_adapter"}
+
+
 def way(cmd: str) -> tuple:
     """(how the command is exercised, its argv without the interpreter and environment)."""
+    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=\$\(.*\)", cmd):
+        return "assign", []
     argv = shlex.split(cmd)
     while argv and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=\S*", argv[0]):
         argv = argv[1:]
+    if argv and argv[-1] == "&":          # started in the background
+        argv = argv[:-1]
+    if argv[0] == "curl":
+        return "endpoint", argv[1:]
     if argv[0] == "bash":
         return "syntax", argv[1:]
     if argv[0] == "megak3-train":
@@ -54,6 +68,8 @@ def way(cmd: str) -> tuple:
         return "paths", argv
     if argv[:2] in (["-m", "megak3.train"], ["-m", "megak3.launch.torchrun"]):
         return "validate", argv
+    if argv[0] == "-m" and argv[1] in MODULES:
+        return "module", argv
     tool = argv[0]
     if tool == "tools/launch.py":
         return ("run" if "--dry-run" in argv else "dry-run"), argv
@@ -80,6 +96,21 @@ def _run_tool(argv, cwd):
     finally:
         sys.argv = old_argv
         os.chdir(old_cwd)
+    return out.getvalue()
+
+
+def _run_module(module: str, args: list) -> str:
+    """``python -m module args`` in this process; returns what it printed."""
+    out = io.StringIO()
+    old_argv = sys.argv
+    sys.argv = [module] + args
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        assert e.code in (0, None), (module, args, e.code, out.getvalue()[-2000:])
+    finally:
+        sys.argv = old_argv
     return out.getvalue()
 
 
@@ -111,6 +142,12 @@ def exercise(kind, argv, cwd):
         _run_tool(argv + ["--dry-run"], cwd)
     elif kind == "help":
         assert "usage:" in _run_tool([argv[0], "--help"], cwd)
+    elif kind == "module":
+        assert "usage:" in _run_module(argv[1], ["--help"] if argv[2:3] != ["serve"] else ["serve", "--help"])
+    elif kind == "endpoint":
+        url = next(a for a in argv if "/v1/" in a)
+        route = "/v1/" + url.split("/v1/", 1)[1]
+        assert f'"{route}"' in (ROOT / "megak3" / "inference" / "server.py").read_text(), route
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)

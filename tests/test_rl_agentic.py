@@ -119,7 +119,7 @@ def test_agentic_rl_pauses_and_resumes_episodes_with_their_sandboxes(tok):
                 resumed.add(eid)
             assert rec["episodes_resumed"] == len(paused) and rec["groups"] >= 1
             paused = {eid: (pool.digest(eid), pool.state(eid)) for eid in runner.driver.unfinished()}
-            assert rec["episodes_paused"] == len(paused)
+            assert rec["paused"] == len(paused)
             assert all(not s["done"] and s["turn"] >= 1 for _, s in paused.values())
 
         assert applied == [0, 1, 2]                                # one RankStep.apply per update

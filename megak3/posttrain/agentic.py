@@ -19,8 +19,8 @@ Partial rollouts: generation plays turns of every unfinished episode until ``cei
 episodes of the buffer are finished and some group has all K; the others stay paused between turns,
 their sandboxes kept by the ``EpisodeDriver``, and are played first next iteration under the new
 weights. A paused episode's sandbox digest (``EnvPool.digest``) is taken at the pause and checked at
-the resume; a change raises ``RuntimeError``. Each iteration's record adds ``episodes_paused``,
-``episodes_resumed`` and ``turns``. Not yet resumable after kill -9 (``resumable`` raises).
+the resume; a change raises ``RuntimeError``. Each iteration's record adds ``episodes_resumed`` (paused
+episodes whose digests were checked) and ``turns`` (rounds of one turn per unfinished episode). Not yet resumable after kill -9 (``resumable`` raises).
 """
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ class AgentRunner(RLRunner):
                 self._after_turn(eid)
             turns += 1
         self.paused = {eid: self.pool.digest(eid) for eid in self.driver.unfinished()}
-        return {"gen_s": time.perf_counter() - t0, "paused": len(self.paused), "episodes_paused": len(self.paused),
+        return {"gen_s": time.perf_counter() - t0, "paused": len(self.paused),
                 "episodes_resumed": resumed, "turns": turns}
 
     def iteration(self) -> dict:

@@ -10,7 +10,7 @@ from conftest import SMALL_MODEL
 from megak3.config import load_model_config
 from megak3.data.config import DataConfig
 from megak3.data.tokenizer import load_tokenizer
-from megak3.envs import EnvPool
+from megak3.envs import EnvPool, ToolCall
 from megak3.optim.config import OptimConfig
 from megak3.posttrain.agentic import AgentRunner
 from megak3.posttrain.buffer import Rollout
@@ -118,6 +118,8 @@ def test_agentic_rl_pauses_and_resumes_episodes_with_their_sandboxes(tok):
                     assert eid in {e for e, _, _ in trained}
                 resumed.add(eid)
             assert rec["episodes_resumed"] == len(paused) and rec["groups"] >= 1
+            if paused:                                         # a later turn continues a cached conversation
+                assert rec["prefix_hit_tokens"] > 0
             paused = {eid: (pool.digest(eid), pool.state(eid)) for eid in runner.driver.unfinished()}
             assert rec["paused"] == len(paused)
             assert all(not s["done"] and s["turn"] >= 1 for _, s in paused.values())
@@ -131,5 +133,9 @@ def test_agentic_rl_pauses_and_resumes_episodes_with_their_sandboxes(tok):
         assert multi, trained                                      # paused at a boundary, finished after it
         assert all(eid in resumed and why == "env" for eid, why, _ in multi)   # ended by the env's turn limit
         assert {why for _, why, _ in trained} == {"env", "length"}
+        eid = sorted(paused)[0]                                    # a sandbox changed while paused is refused
+        pool.step(eid, ToolCall("shell", {"cmd": "echo x > tampered"}))
+        with pytest.raises(RuntimeError, match="changed while paused"):
+            runner.iteration()
         runner.close()
         assert not runner.driver.transcripts.keys() - set(runner.driver.unfinished())   # trained ones forgotten

@@ -20,7 +20,8 @@ episodes of the buffer are finished and some group has all K; the others stay pa
 their sandboxes kept by the ``EpisodeDriver``, and are played first next iteration under the new
 weights. A paused episode's sandbox digest (``EnvPool.digest``) is taken at the pause and checked at
 the resume; a change raises ``RuntimeError``. Each iteration's record adds ``episodes_resumed`` (paused
-episodes whose digests were checked) and ``turns`` (rounds of one turn per unfinished episode). Not yet resumable after kill -9 (``resumable`` raises).
+episodes whose digests were checked), ``turns`` (rounds of one turn per unfinished episode) and
+``prefix_hit_tokens`` (prompt tokens the engine's prefix cache served instead of prefilling). Not yet resumable after kill -9 (``resumable`` raises).
 """
 from __future__ import annotations
 
@@ -133,7 +134,7 @@ class AgentRunner(RLRunner):
         for _ in range(rl.prompts - self.buffer.num_groups()):
             self._new_group()
         target = math.ceil(rl.partial_fraction * rl.prompts * rl.group_size)
-        t0, turns = time.perf_counter(), 0
+        t0, turns, hits0 = time.perf_counter(), 0, self.engine.cache.stats["hit_tokens"]
         while self.driver.unfinished() and (self.buffer.num_finished() < target or not self.buffer.has_trainable()):
             live = self.driver.unfinished()
             self.driver.run(self._policy, max_turns=1)
@@ -141,8 +142,8 @@ class AgentRunner(RLRunner):
                 self._after_turn(eid)
             turns += 1
         self.paused = {eid: self.pool.digest(eid) for eid in self.driver.unfinished()}
-        return {"gen_s": time.perf_counter() - t0, "paused": len(self.paused),
-                "episodes_resumed": resumed, "turns": turns}
+        return {"gen_s": time.perf_counter() - t0, "paused": len(self.paused), "episodes_resumed": resumed,
+                "turns": turns, "prefix_hit_tokens": self.engine.cache.stats["hit_tokens"] - hits0}
 
     def iteration(self) -> dict:
         rec = super().iteration()

@@ -67,6 +67,8 @@ def run(args, rl_over, optim_over, shuffle: bool) -> dict:
         _set(rl, k, v, "rl.")
     rl.shuffle_rewards = rl.shuffle_rewards or shuffle
     rl.validate()
+    if args.budgets and not rl.env:
+        raise ValueError("--budgets sets trajectory budgets of agentic runs; add rl.env=ledger (or fixbug) or drop it")
     optim = OptimConfig(lr=3e-3, warmup_steps=0, min_lr_ratio=1.0)
     for k, v in optim_over:
         _set(optim, k, v, "optim.")

@@ -12,6 +12,13 @@ unless the episode is over the observation is appended as context (mask 0, versi
 
     [<|eos|> if the turn stopped at its budget] <|bos|> tool\\n OBS[:rl.obs_tokens] <|eos|> <|bos|> assistant\\n
 
+The prefix cache serves the conversation so far from the KDA checkpoints the engine takes every
+``CHECKPOINT_INTERVAL`` tokens. The engine keeps that cache across a refit, so after an update a turn (of a
+resumed episode, or of a new one whose prompt shares a cached prefix, e.g. the family's instructions) may
+continue from a prefix computed under older weights, as a paused single-turn sample keeps its caches; the learner
+recomputes every logprob under its current weights and the per-token truncated importance weights
+against the recorded behaviour logprobs correct for the difference.
+
 The reward is the environment's when the episode ends (submit or turn limit). A trajectory whose next
 turn would not fit in ``rl.episode_tokens`` ends there (``EpisodeDriver.end``, reward 0.0).
 
@@ -36,6 +43,9 @@ from .buffer import Rollout
 from .chat import generation_prompt
 from .rl import RLRunner
 
+CHECKPOINT_INTERVAL = 64
+"""the engine's KDA checkpoint interval for agentic runs unless ``engine_options`` sets one"""
+
 
 def tool_message(tokenizer, observation: str, cap: int) -> List[int]:
     """Context ids after a model turn: the observation as a ``tool`` message (its first ``cap``
@@ -51,6 +61,9 @@ class AgentRunner(RLRunner):
     def __init__(self, job, rl, tokenizer, pool: Optional[EnvPool] = None, **kw):
         if not rl.env:
             raise ValueError("rl.env='' : AgentRunner needs a task family; set rl.env=ledger or rl.env=fixbug")
+        # KDA checkpoints every 64 tokens (the engine's default: 512) so that a turn restores most of its
+        # conversation from the prefix cache instead of prefilling it again
+        kw["engine_options"] = {"checkpoint_interval": CHECKPOINT_INTERVAL, **(kw.get("engine_options") or {})}
         super().__init__(job, rl, tokenizer, **kw)
         self.own_pool = pool is None
         self.pool = pool or EnvPool(rl.env_workers)

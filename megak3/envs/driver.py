@@ -49,6 +49,19 @@ class EpisodeDriver:
                     self.results[eid] = finished[eid] = r
         return finished
 
+    def end(self, eid: str, observation: str) -> StepResult:
+        """Finish an unfinished episode without a step (e.g. its trajectory ran out of budget): reward 0.0."""
+        if eid not in self.transcripts or eid in self.results:
+            raise ValueError(f"episode {eid!r} is not an unfinished episode of this driver")
+        self.results[eid] = StepResult(observation, True, 0.0, {"ended": observation})
+        return self.results[eid]
+
+    def forget(self, eid: str) -> None:
+        """Drop a finished episode's transcript and result, closing its sandbox (after it was trained on)."""
+        self.pool.close(eid)
+        self.transcripts.pop(eid, None)
+        self.results.pop(eid, None)
+
     def state_dict(self) -> Dict:
         return {"pool": self.pool.checkpoint(),
                 "transcripts": {e: [list(t) for t in ts] for e, ts in self.transcripts.items()},

@@ -2,18 +2,23 @@
 
     python -m megak3.posttrain --init-from runs/sft rl.iterations=30 rl.prompts=8 rl.group_size=8 optim.lr=3e-3
     python -m megak3.posttrain --init-from runs/sft --control ...   # + the same run with rewards shuffled
+    python -m megak3.posttrain --init-from runs/sft rl.env=ledger rl.partial_fraction=0.5 ...   # agentic RL
 
 ``--init-from``: a megak3 run / checkpoint directory (any layout) or a Hugging Face directory; the model
 config, quantisation and tokenizer come from it. ``rl.FIELD=VALUE`` / ``rl.loss.FIELD=VALUE`` set
 :class:`megak3.posttrain.rl.RLConfig` fields, ``optim.FIELD=VALUE`` the optimizer (Muon by default).
 Before and after the run the greedy exact-answer accuracy on ``--eval-prompts`` held-out prompts of the
 task is measured; the line ``reward: a -> b`` compares the mean training reward of the first and the last
-``--window`` iterations. Bad input: one line on stderr, exit code 2.
+``--window`` iterations. With ``rl.env=FAMILY`` (megak3/posttrain/agentic.py) every sample is a multi-turn
+episode of that megak3.envs task family; instead of the accuracy the run prints how many episodes were paused
+at an iteration boundary and resumed with their sandboxes unchanged, and how many trained trajectories hold
+tokens of two or more policy versions. Bad input: one line on stderr, exit code 2.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import sys
 import time
 
@@ -62,6 +67,8 @@ def run(args, rl_over, optim_over, shuffle: bool) -> dict:
         _set(rl, k, v, "rl.")
     rl.shuffle_rewards = rl.shuffle_rewards or shuffle
     rl.validate()
+    if args.budgets and not rl.env:
+        raise ValueError("--budgets sets trajectory budgets of agentic runs; add rl.env=ledger (or fixbug) or drop it")
     optim = OptimConfig(lr=3e-3, warmup_steps=0, min_lr_ratio=1.0)
     for k, v in optim_over:
         _set(optim, k, v, "optim.")
@@ -74,6 +81,8 @@ def run(args, rl_over, optim_over, shuffle: bool) -> dict:
                     train=TrainConfig(max_steps=rl.iterations, global_batch_size=1, micro_batch_size=1,
                                       seed=rl.seed))
     job.validate()
+    if rl.env:
+        return run_agentic(args, job, rl, src.tokenizer)
     runner = RLRunner(job, rl, src.tokenizer, init_from=args.init_from)
     before = accuracy(runner.engine, src.tokenizer, rl.task, args.eval_prompts)
     t0 = time.time()
@@ -88,6 +97,34 @@ def run(args, rl_over, optim_over, shuffle: bool) -> dict:
     return {"reward_first": a, "reward_last": b, "acc_before": before, "acc_after": after}
 
 
+def run_agentic(args, job, rl, tokenizer) -> dict:
+    from megak3.posttrain.agentic import AgentRunner
+
+    t0 = time.time()
+    mixed, resumed = 0, 0
+    cycle = itertools.cycle(args.budgets) if args.budgets else None
+    budgets = (lambda: [next(cycle)] * rl.group_size) if cycle else None
+    with AgentRunner(job, rl, tokenizer, init_from=args.init_from, budgets=budgets) as runner:
+        update = runner.update
+
+        def count(samples, adv):
+            nonlocal mixed
+            mixed += sum(len({v for v in r.versions if v >= 0}) > 1 for r in samples)
+            return update(samples, adv)
+
+        runner.update = count
+        runner.fit(log=(lambda s: print(f"[agent] {s}", flush=True)) if args.verbose else None)
+        resumed = sum(h["episodes_resumed"] for h in runner.history)
+        trained = sum(h.get("trained", 0) for h in runner.history)
+        rewards = [h["reward"] for h in runner.history if "reward" in h]
+    w = max(min(args.window, len(rewards)), 1)
+    a, b = sum(rewards[:w]) / w, sum(rewards[-w:]) / w
+    print(f"[agent] rl.env={rl.env}: {len(runner.history)} updates, {trained} episodes trained; {resumed} episode pauses at "
+          f"iteration boundaries, each resumed with its sandbox digest unchanged; {mixed} trained trajectories hold "
+          f"tokens of 2+ policy versions; reward {a:.3f} -> {b:.3f}; {time.time() - t0:.0f} s", flush=True)
+    return {"resumed": resumed, "mixed": mixed, "reward_first": a, "reward_last": b}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megak3.posttrain", description=__doc__.split("\n")[0])
     ap.add_argument("--init-from", required=True, help="megak3 run/checkpoint or Hugging Face directory")
@@ -96,6 +133,8 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
     ap.add_argument("--verbose", action="store_true", help="one line per iteration")
+    ap.add_argument("--budgets", default="", help="with rl.env: trajectory budgets in tokens, cycled over new "
+                    "groups, e.g. 10,400 (episodes of different lengths; default: rl.episode_tokens for all)")
     ap.add_argument("overrides", nargs="*", help="rl.FIELD=VALUE, rl.loss.FIELD=VALUE, optim.FIELD=VALUE")
     args = ap.parse_args(argv)
     if args.threads:
@@ -107,6 +146,12 @@ def main(argv=None) -> int:
                 raise ValueError(f"{o}: overrides are rl.FIELD=VALUE or optim.FIELD=VALUE")
             k, v = o.split("=", 1)
             (rl_over if k.startswith("rl.") else optim_over).append((k.split(".", 1)[1], v))
+        try:
+            args.budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
+        except ValueError:
+            args.budgets = [0]
+        if any(b < 1 for b in args.budgets):
+            raise ValueError("--budgets must be comma-separated integers >= 1, e.g. 10,400")
         if args.eval_prompts < 1:
             raise ValueError(f"--eval-prompts={args.eval_prompts} must be >= 1")
         run(args, rl_over, optim_over, shuffle=False)

@@ -31,7 +31,9 @@ class Rollout:
     logprobs: List[float] = field(default_factory=list)
     """behaviour logprob of each token under the policy that sampled it"""
     versions: List[int] = field(default_factory=list)
-    """policy version that sampled each token"""
+    """policy version that sampled each token (-1: context appended by :meth:`add_context`)"""
+    mask: List[int] = field(default_factory=list)
+    """1 where a token is the model's own (trained on), 0 for context (:meth:`add_context`); empty: all 1"""
     finished: bool = False
     finish_reason: str = ""
     text: str = ""
@@ -50,6 +52,21 @@ class Rollout:
         self.token_ids += list(tokens)
         self.logprobs += [float(x) for x in logprobs]
         self.versions += [int(version)] * len(tokens)
+        if self.mask:
+            self.mask += [1] * len(tokens)
+
+    def add_context(self, tokens: List[int]) -> None:
+        """Append tokens the model did not sample (a multi-turn trajectory's tool messages and role
+        headers): mask 0, logprob 0.0, version -1; they use the budget like the model's tokens."""
+        if len(tokens) > self.remaining:
+            raise ValueError(f"rollout {self.uid}: {len(tokens)} context tokens exceed the remaining budget "
+                             f"{self.remaining} of {self.budget}")
+        if not self.mask:
+            self.mask = [1] * len(self.token_ids)
+        self.token_ids += list(tokens)
+        self.logprobs += [0.0] * len(tokens)
+        self.versions += [-1] * len(tokens)
+        self.mask += [0] * len(tokens)
 
     def finish(self, reason: str, text: str = "") -> None:
         self.finished, self.finish_reason, self.text = True, reason, text

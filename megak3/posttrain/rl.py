@@ -90,6 +90,17 @@ class RLConfig:
     """sample every response to its full budget (benchmarks: lengths set by the budgets alone)"""
     engine_dtype: str = "float32"
     """dtype of the engine's copy of the policy ('float32' or 'bfloat16')"""
+    env: str = ""
+    """agentic RL: a megak3.envs task family ('ledger', 'fixbug'); every sample is a multi-turn episode in a
+    sandbox (megak3/posttrain/agentic.py) and rl.max_tokens the budget of one model turn (empty: rl.task)"""
+    max_turns: int = 0
+    """with rl.env: model turns per episode (0: the family's default)"""
+    episode_tokens: int = 1024
+    """with rl.env: budget of a whole trajectory after its prompt (model turns and tool messages)"""
+    obs_tokens: int = 64
+    """with rl.env: a tool observation keeps its first obs_tokens tokens"""
+    env_workers: int = 2
+    """with rl.env: environment worker processes (megak3.envs.EnvPool)"""
     loss: LossConfig = field(default_factory=LossConfig)
 
     def validate(self) -> "RLConfig":
@@ -108,6 +119,12 @@ class RLConfig:
         from .demo_sft import FAMILIES
 
         need(self.task in FAMILIES, "task", f"must be one of {', '.join(FAMILIES)}")
+        from ..envs.tasks import FAMILIES as ENV_FAMILIES
+
+        need(self.env in ("",) + tuple(ENV_FAMILIES), "env", f"must be '' or one of {', '.join(ENV_FAMILIES)}")
+        need(self.max_turns >= 0, "max_turns", "must be >= 0 (0: the task family's default)")
+        for f in ("episode_tokens", "obs_tokens", "env_workers"):
+            need(getattr(self, f) >= 1, f, "must be >= 1")
         self.loss.validate()
         return self
 
@@ -169,7 +186,7 @@ def response_batch(samples: List[Rollout], pad_id: int) -> Dict[str, torch.Tenso
         L, P = len(full) - 1, len(s.prompt_ids)
         ids[b, :L] = torch.tensor(full[:-1])
         tgt[b, :L] = torch.tensor(full[1:])
-        mask[b, P - 1:L] = 1
+        mask[b, P - 1:L] = torch.tensor(s.mask, dtype=torch.float32) if s.mask else 1  # model tokens only
         beh[b, P - 1:L] = torch.tensor(s.logprobs, dtype=torch.float32)
         cu += [b * T + L] if L < T else []
         cu.append((b + 1) * T)
@@ -294,8 +311,8 @@ class RLRunner:
             train_R = flat.view_as(R)
         adv = group_advantages(train_R, self.rl.loss.advantage_scale)
         samples = [r for g in groups for r in g]
-        rec["staleness"] = sum(self.version - v for r in samples for v in r.versions) / max(
-            sum(len(r.versions) for r in samples), 1)
+        sampled = [v for r in samples for v in r.versions if v >= 0]  # -1: context tokens
+        rec["staleness"] = sum(self.version - v for v in sampled) / max(len(sampled), 1)
         t0 = time.perf_counter()
         rec.update(self.update(samples, adv.flatten().float()))
         rec["train_s"] = time.perf_counter() - t0

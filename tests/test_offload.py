@@ -316,3 +316,27 @@ def test_checkpoint_moves_between_offload_and_none(corpus_dataset, tmp_path, bef
     b = [h["loss"] for h in first.history] + [h["loss"] for h in second.history]
     assert a[:4] == b[:4]
     assert a[4] == pytest.approx(b[4], rel=1e-4)
+
+
+def test_stale_jit_build_lock_is_cleared(tmp_path, monkeypatch):
+    """A JIT-build lock left by a killed build would make every later DeepSpeed load wait forever
+    (torch's FileBaton never expires); an old one is removed, a fresh one (a build running) kept."""
+    import os
+    import time
+    import warnings
+
+    from megak3.optim import offload
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "cpu_adam" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        offload._clear_stale_build_lock("cpu_adam")          # fresh: a build may be running
+    assert lock.exists()
+    old = time.time() - offload.STALE_BUILD_LOCK_S - 60
+    os.utime(lock, (old, old))
+    with pytest.warns(UserWarning, match="JIT build lock"):
+        offload._clear_stale_build_lock("cpu_adam")
+    assert not lock.exists()

@@ -169,13 +169,44 @@ class HostAdamW(torch.optim.Optimizer):
                    eps=group["eps"], maximize=False)
 
 
+STALE_BUILD_LOCK_S = 1800.0
+"""a JIT-build lock older than this with no build running is a leftover of a killed build"""
+
+
+def _clear_stale_build_lock(name: str) -> None:
+    """torch's JIT build holds ``<extension dir>/lock`` while it compiles and never expires it: a
+    build killed half-way (Ctrl-C, a timeout) leaves every later load waiting forever. A lock older
+    than STALE_BUILD_LOCK_S (the CPU Adam build takes minutes, not half an hour) is removed, with a
+    warning."""
+    import os
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return
+    if age > STALE_BUILD_LOCK_S:
+        warnings.warn(f"removing {lock}: a JIT build lock {age / 60:.0f} min old (a build was killed half-way); "
+                      "building again")
+        try:
+            os.remove(lock)
+        except OSError:
+            pass
+
+
 @functools.cache
 def deepspeed_cpu_adam():
     """DeepSpeed's ``cpu_adam`` op (JIT-built the first time, then loaded from the torch extension
-    cache); raises ImportError / RuntimeError when DeepSpeed is absent or the build fails."""
+    cache); raises ImportError / RuntimeError when DeepSpeed is absent or the build fails. A stale
+    build lock left by a killed build is cleared first (:func:`_clear_stale_build_lock`)."""
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
-    return CPUAdamBuilder().load()
+    builder = CPUAdamBuilder()
+    _clear_stale_build_lock(builder.name)
+    return builder.load()
 
 
 class DeepSpeedHostAdamW(HostAdamW):

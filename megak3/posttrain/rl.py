@@ -149,20 +149,28 @@ def engine_model(job: JobConfig, ps: ParallelState, device, dtype) -> torch.nn.M
 
 
 @torch.no_grad()
-def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> int:
-    """Copy every tensor of ``src``'s state into ``dst`` by canonical name (in memory, casting dtypes);
-    both must hold whole tensors. Returns the number of tensors copied."""
+def copy_weights(src: torch.nn.Module, dst: torch.nn.Module, plan=None) -> int:
+    """Copy every tensor of ``src``'s state into ``dst`` by canonical name (in memory, casting dtypes).
+    Without ``plan`` both hold the same boxes (a refit: this rank's shards into this rank's shards). With
+    ``dst``'s :class:`parallel.plan.ParallelPlan`, ``src`` holds whole tensors (a one-process model) and
+    each of ``dst``'s tp / ep shards takes its box of them. Returns the number of tensors copied."""
     want = {canonical_name(k): v for k, v in dst.state_dict().items()}
     n = 0
     for k, v in src.state_dict().items():
-        d = want.pop(canonical_name(k), None)
+        name = canonical_name(k)
+        d = want.pop(name, None)
+        sh = plan.tensors.get(name) if plan is not None and d is not None else None
+        if sh is not None and tuple(v.shape) == tuple(sh.global_shape):
+            v = v[tuple(slice(o, o + s) for o, s in zip(sh.offsets, sh.local_shape))]
         if d is None or d.shape != v.shape:
-            raise ValueError(f"refit: tensor {canonical_name(k)} {tuple(v.shape)} has no match in the engine's "
-                             f"model ({None if d is None else tuple(d.shape)})")
+            raise ValueError(f"refit: tensor {name} {tuple(v.shape)} has no match in the "
+                             f"{'engine' if plan is None else 'trainer'}'s model "
+                             f"({None if d is None else tuple(d.shape)})")
         d.copy_(v)
         n += 1
     if want:
-        raise ValueError(f"refit: the engine's model has tensors the trainer lacks, e.g. {sorted(want)[:3]}")
+        raise ValueError(f"refit: the {'engine' if plan is None else 'trainer'}'s model has tensors the source "
+                         f"lacks, e.g. {sorted(want)[:3]}")
     return n
 
 
@@ -224,8 +232,8 @@ class RLRunner:
         # the engine samples from the same (fake-)quantised model, in the same layout
         self.engine = Engine(engine_model(job, ps, device, dtype), tokenizer, **(engine_options or {}))
         if init_from:
-            src = Engine.from_pretrained(init_from, device=device).model
-            copy_weights(src, self.model)
+            src = Engine.from_pretrained(init_from, device=device).model  # whole tensors (any saved layout)
+            copy_weights(src, self.model, self.rs.plan)  # each rank takes its tp / ep boxes
         self.ref_model = None
         if rl.loss.kl_coef > 0:
             self.ref_model = engine_model(job, ps, device, torch.float32)

@@ -1,5 +1,7 @@
 """RL update at ep2 (MoonEP dispatch) and tp2 + sequence parallelism matches one process: loss and grad
 norm over 3 updates on fixed rollouts (the rollouts and runner of tests/test_rl_parallel.py)."""
+import functools
+
 import pytest
 import torch
 
@@ -74,9 +76,14 @@ def _rl_updates(rank, world, tp=1, ep=1, sp=False, init_from=None):
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _one_process():
+    return _rl_updates(0, 1)
+
+
 @pytest.mark.parametrize("layout", [{"ep": 2}, {"tp": 2, "sp": True}], ids=["ep2", "tp2-sp"])
 def test_rl_ep2_and_tp2_sp_match_one_process(layout):
-    ref = _rl_updates(0, 1)
+    ref = _one_process()
     for r in run_distributed(_rl_updates, 2, layout.get("tp", 1), layout.get("ep", 1), layout.get("sp", False),
                              timeout_s=300):
         assert r["dispatch"] > 0 if "ep" in layout else r["sp"], r  # the layout is really on
@@ -114,7 +121,7 @@ def test_rl_init_from_a_one_process_checkpoint_and_hf_export_at_tp2(tmp_path):
     hf = tmp_path / "hf"
     convert_hf.export(run / "checkpoints", hf, experts="bf16", dtype="fp32", log=lambda s: None)
     (hf / "tokenizer.json").write_bytes((run / "tokenizer.json").read_bytes())
-    fresh = _rl_updates(0, 1)["steps"]
+    fresh = _one_process()["steps"]
     ref = _rl_updates(0, 1, init_from=str(run))["steps"]
     assert abs(ref[0][1] - fresh[0][1]) > 1e-2  # the checkpoint's weights are in use
     for rank in run_distributed(_init_runs, 2, [str(run), str(hf)], timeout_s=300):

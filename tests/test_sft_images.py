@@ -99,3 +99,19 @@ def test_sft_step_with_an_image_trains_the_tower(tmp_path, tok):
     rec = rs.accumulate([batch])
     assert torch.isfinite(rec["loss_sum"]) and float(rec["loss_sum"]) > 0 and float(rec["images"]) == 1
     assert rs.model.vision.patch_embed.weight.grad.abs().sum() > 0
+
+
+def test_open_sft_split_checks_the_vision_tower(tmp_path, tok):
+    from conftest import SMALL_MODEL
+    from megak3.config import load_model_config
+    from megak3.data.config import DataError
+    from megak3.posttrain.sft_data import open_sft_split
+
+    prefix, _ = _write(tmp_path, tok, [CONV])
+    on = load_model_config("k3_tiny", **{**SMALL_MODEL, "vision.enabled": True, "media_placeholder_token_id": 3})
+    assert len(open_sft_split(prefix, 32, "train", 0.0, 1, tok, on).sample(0).images) == 1
+    with pytest.raises(DataError, match="model.vision.enabled=false"):
+        open_sft_split(prefix, 32, "train", 0.0, 1, tok, load_model_config("k3_tiny", **SMALL_MODEL))
+    with pytest.raises(DataError, match="--patch-size"):
+        open_sft_split(prefix, 32, "train", 0.0, 1, tok, load_model_config(
+            "k3_tiny", **{**SMALL_MODEL, "vision.enabled": True, "vision.merge": 1}))

@@ -225,8 +225,22 @@ class SFTPackedDataset:
         return self.sample(index, 0)
 
 
-def open_sft_split(prefix, seq_len: int, split: str, valid_fraction: float, seed: int, tokenizer) -> SFTPackedDataset:
-    """The packed ``split`` of the SFT dataset ``prefix`` (what the trainer opens for SFT data)."""
+def open_sft_split(prefix, seq_len: int, split: str, valid_fraction: float, seed: int, tokenizer,
+                   model_cfg=None) -> SFTPackedDataset:
+    """The packed ``split`` of the SFT dataset ``prefix`` (what the trainer opens for SFT data); with
+    ``model_cfg``, a dataset with images is checked against the model's vision tower first."""
+    if model_cfg is not None and has_images(prefix):
+        v, side = model_cfg.vision, ImageStore(prefix).side
+        if not v.enabled:
+            raise DataError(f"SFT dataset {prefix} holds images but model.vision.enabled=false; enable the vision "
+                            "tower or write the dataset without images")
+        if v.patch_size * v.merge != side:
+            raise DataError(f"SFT dataset {prefix} was fitted to patch*merge={side} pixels but the model has "
+                            f"model.vision.patch_size*merge={v.patch_size * v.merge}; re-run sft_data with "
+                            f"--patch-size {v.patch_size} --merge {v.merge}")
+        if model_cfg.media_placeholder_token_id != tokenizer.media_id:
+            raise DataError(f"the tokenizer puts <|media|> at id {tokenizer.media_id} but "
+                            f"model.media_placeholder_token_id={model_cfg.media_placeholder_token_id}")
     return SFTPackedDataset(prefix, seq_len, split, valid_fraction, seed, tokenizer.pad_id, tokenizer.media_id)
 
 

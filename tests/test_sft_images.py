@@ -115,3 +115,14 @@ def test_open_sft_split_checks_the_vision_tower(tmp_path, tok):
     with pytest.raises(DataError, match="--patch-size"):
         open_sft_split(prefix, 32, "train", 0.0, 1, tok, load_model_config(
             "k3_tiny", **{**SMALL_MODEL, "vision.enabled": True, "vision.merge": 1}))
+
+
+def test_colour_chats_arms_differ_only_in_the_images(tmp_path):
+    from megak3.posttrain.demo_sft import write_colour_chats
+    from megak3.posttrain.sft_data import read_conversations
+
+    paths = write_colour_chats(tmp_path, n=12)
+    real, blind = (list(read_conversations([paths[a]])) for a in ("real", "blind"))
+    assert [c[1]["content"] for c in real] == [c[1]["content"] for c in blind]
+    assert all(c[0]["images"][0].endswith(c[1]["content"] + ".png") for c in real)
+    assert all(c[0]["images"][0].endswith("gray.png") for c in blind)

@@ -164,10 +164,12 @@ class SFTPackedDataset:
             if self.store.num_docs != len(self.dataset):
                 raise DataError(f"{self.store.idx_path} describes {self.store.num_docs} conversations but {prefix} "
                                 f"has {len(self.dataset)}; re-run python -m megak3.posttrain.sft_data")
-            long = [int(d) for d in self.docs if self.dataset.doc_lengths[d] > seq_len and len(self.store.doc_images(d))]
+            long = [int(d) for d in self.docs
+                    if self.dataset.doc_lengths[d] > seq_len and len(self.store.doc_images(d))]
             if long:
-                raise DataError(f"conversation {long[0]} of {prefix} has images and {self.dataset.doc_lengths[long[0]]} "
-                                f"tokens > data.seq_len={seq_len} (its image slots would be cut); raise data.seq_len")
+                raise DataError(f"conversation {long[0]} of {prefix} has images and "
+                                f"{self.dataset.doc_lengths[long[0]]} tokens > data.seq_len={seq_len} (its image "
+                                "slots would be cut); raise data.seq_len")
         self._cache: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
 
     def _layout(self, epoch: int) -> Tuple[np.ndarray, np.ndarray]:

@@ -210,7 +210,9 @@ class ModelRunner:
         q = _l2norm(outs[0].view(N, T, H, K))
         k = _l2norm(outs[1].view(N, T, H, K))
         v = outs[2].view(N, T, H, K)
-        g = kda_gate(attn.f_b_proj(attn.f_a_proj(x_BTD)), attn.A_log, attn.dt_bias, attn.lower_bound)
+        # [N, T, H, K] given: kda_gate would read a flat [N, 1, H*K] of one head (H = 1, one token) as [.., H, K]
+        g = kda_gate(attn.f_b_proj(attn.f_a_proj(x_BTD)).view(N, T, H, K), attn.A_log, attn.dt_bias,
+                     attn.lower_bound)
         beta = torch.sigmoid(attn.b_proj(x_BTD).float())
         if T == 1:
             o, S_BHKV = recurrent_kda(q, k, v, g, beta, initial_state=S_BHKV, output_final_state=True)

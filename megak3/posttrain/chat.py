@@ -12,7 +12,13 @@ model's answer ends with ``<|eos|>``, which the generation engine always treats 
 
 Training mask: the content tokens of every assistant message and its closing ``<|eos|>`` (the
 model must learn to stop); everything else (system/user/tool messages, every role header) is
-context only. Images in messages are not supported yet (a clear error says so).
+context only.
+
+Images: a message may carry ``"images": ["a.png", ...]``; each image becomes as many ``<|media|>``
+ids as the vision tower produces for it (``image_tokens``, in conversation order: megak3/model/vision.py
+num_image_tokens of the fitted size), placed after the message's role header and before its content, in
+order. Media ids are never trained on (mask 0, also in assistant messages); the last slot of an image
+predicts the text after it only where that text is trained on.
 """
 from __future__ import annotations
 
@@ -37,28 +43,43 @@ def check_messages(messages, where: str = "conversation") -> List[dict]:
         if m["role"] not in ROLES:
             raise ChatFormatError(f"{where}: messages[{i}].role={m['role']!r} must be one of {', '.join(ROLES)}")
         if not isinstance(m["content"], str):
-            raise ChatFormatError(f"{where}: messages[{i}].content must be a string (images in chat data are "
-                                  "not supported yet)")
-        if m.get("images"):
-            raise ChatFormatError(f"{where}: messages[{i}] has images; image-text chat data is not supported yet")
-        out.append({"role": m["role"], "content": m["content"]})
+            raise ChatFormatError(f"{where}: messages[{i}].content must be a string")
+        imgs = m.get("images") or []
+        if not isinstance(imgs, list) or not all(isinstance(p, str) and p for p in imgs):
+            raise ChatFormatError(f"{where}: messages[{i}].images must be a list of image file paths")
+        out.append({"role": m["role"], "content": m["content"], **({"images": list(imgs)} if imgs else {})})
     return out
+
+
+def conversation_images(messages: Sequence[dict]) -> List[str]:
+    """The image paths of a conversation, in the order their slots appear."""
+    return [p for m in messages for p in m.get("images", ())]
 
 
 def _header(tokenizer, role: str) -> List[int]:
     return [tokenizer.bos_id] + tokenizer.encode(role + "\n")
 
 
-def encode_chat(tokenizer, messages: Sequence[dict]) -> Tuple[List[int], List[int]]:
-    """``(ids, mask)`` of a whole conversation: ``mask[i] = 1`` where ``ids[i]`` is trained on."""
+def encode_chat(tokenizer, messages: Sequence[dict], image_tokens: Sequence[int] = ()) -> Tuple[List[int], List[int]]:
+    """``(ids, mask)`` of a whole conversation: ``mask[i] = 1`` where ``ids[i]`` is trained on.
+    ``image_tokens``: the ``<|media|>`` slot count of each image of the conversation, in order."""
+    msgs = check_messages(list(messages))
+    n_img = len(conversation_images(msgs))
+    if n_img != len(image_tokens):
+        raise ChatFormatError(f"conversation has {n_img} images but {len(image_tokens)} image token counts were given")
     ids: List[int] = []
     mask: List[int] = []
-    for m in check_messages(list(messages)):
+    k = 0
+    for m in msgs:
         head = _header(tokenizer, m["role"])
+        media: List[int] = []
+        for _ in m.get("images", ()):
+            media += [tokenizer.media_id] * int(image_tokens[k])
+            k += 1
         body = tokenizer.encode(m["content"]) + [tokenizer.eos_id]
         trained = 1 if m["role"] == TRAINED_ROLE else 0
-        ids += head + body
-        mask += [0] * len(head) + [trained] * len(body)
+        ids += head + media + body
+        mask += [0] * (len(head) + len(media)) + [trained] * len(body)
     return ids, mask
 
 
@@ -75,6 +96,8 @@ def render_chat_text(tokenizer, messages: Sequence[dict], add_generation_prompt:
     :func:`encode_chat_text` turns it back into exactly :func:`generation_prompt`'s ids."""
     bos, eos = (tokenizer.hf.id_to_token(i) for i in (tokenizer.bos_id, tokenizer.eos_id))
     msgs = check_messages(list(messages))
+    if conversation_images(msgs):
+        raise ChatFormatError("render_chat_text: messages with images have no text form; use encode_chat")
     text = "".join(f"{bos}{m['role']}\n{m['content']}{eos}" for m in msgs)
     return text + f"{bos}{TRAINED_ROLE}\n" if add_generation_prompt else text[: -len(eos)]
 

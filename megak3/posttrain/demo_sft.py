@@ -99,3 +99,47 @@ def build_demo_sft_dataset(cache_dir, vocab_size: int = 512, num_conversations: 
         print(f"demo_sft corpus: {stats['conversations']} conversations, {stats['tokens']} tokens "
               f"({stats['trained_tokens']} trained)", file=sys.stderr)
     return str(prefix), str(tok_path)
+
+
+COLOURS = {"red": (220, 20, 20), "blue": (20, 20, 220), "green": (20, 200, 20)}
+
+
+def write_colour_chats(out_dir, n: int = 150, seed: int = 0, side: int = 56) -> dict:
+    """An image-chat SFT check: ``real.jsonl`` asks the colour of a solid ``side`` x ``side`` image
+    (red / blue / green, drawn by ``seed``); ``blind.jsonl`` has the same conversations with one gray image
+    for all, so only a model that sees the images can beat ln(3) nats on the colour. Writes the PNGs and a
+    tokenizer.json trained on the text; returns the paths."""
+    from PIL import Image
+
+    from megak3.data.tokenizer import train_bpe_tokenizer
+
+    out = Path(os.path.expanduser(str(out_dir)))
+    out.mkdir(parents=True, exist_ok=True)
+    for name, rgb in {**COLOURS, "gray": (128, 128, 128)}.items():
+        Image.fromarray(np.full((side, side, 3), rgb, np.uint8)).save(out / f"{name}.png")
+    rng = np.random.default_rng(seed)
+    answers = [list(COLOURS)[int(k)] for k in rng.integers(0, len(COLOURS), n)]
+    paths = {}
+    for arm in ("real", "blind"):
+        paths[arm] = out / f"{arm}.jsonl"
+        paths[arm].write_text("".join(
+            '{"messages": [{"role": "user", "content": "What colour is this?", "images": ["%s.png"]}, '
+            '{"role": "assistant", "content": "%s"}]}\n' % ("gray" if arm == "blind" else c, c) for c in answers))
+    train_bpe_tokenizer(["user\nWhat colour is this?\nassistant\n" + " ".join(COLOURS)] * 20, 300,
+                        out / "tokenizer.json")
+    return {**{k: str(v) for k, v in paths.items()}, "tokenizer": str(out / "tokenizer.json")}
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m megak3.posttrain.demo_sft",
+                                 description="write the colour-naming image-chat check (real and blind arms)")
+    ap.add_argument("--colour-chats", required=True, metavar="DIR", help="output directory")
+    ap.add_argument("-n", type=int, default=150, help="conversations")
+    a = ap.parse_args()
+    if a.n < 1:
+        print(f"error: -n={a.n} must be >= 1", file=sys.stderr)
+        sys.exit(2)
+    print(json.dumps(write_colour_chats(a.colour_chats, a.n)))

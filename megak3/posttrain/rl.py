@@ -19,10 +19,14 @@ One iteration (:meth:`RLRunner.iteration`):
 5. The policy version goes up by one and the engine's model is refit from the trainer's in memory.
 
 Layouts: one process, data parallelism (each rank trains its contiguous slice of the update's samples; the
-loss is normalised by the count over the data-parallel group, so gradients match one process) and tensor
-parallelism without sequence parallelism (the engine's model has the trainer's plan, so the refit copies
-each rank's own shards; token logprobs come from the vocabulary-parallel cross entropy). Pipeline, context
-and expert parallelism and sequence parallelism raise an error naming the ``parallel.*`` field.
+loss is normalised by the count over the data-parallel group, so gradients match one process), tensor
+parallelism with or without sequence parallelism (the engine's model has the trainer's plan without sequence
+parallelism, which decoding cannot use; the weight shards are the same, so the refit copies each rank's own
+shards; token logprobs come from the vocabulary-parallel cross entropy; under sequence parallelism the rows are
+padded to a multiple of tp) and expert parallelism without tp (every rank runs the same number of micro-batches
+of the same shape, the largest over the data-parallel ranks, padded with masked rows, as MoonEP's dispatch needs).
+Quantile-Balancing statistics count the samples' tokens, never padding. Pipeline and context parallelism, and
+ep > 1 with tp > 1, raise an error naming the ``parallel.*`` field.
 """
 from __future__ import annotations
 
@@ -130,56 +134,79 @@ class RLConfig:
 
 
 def check_layout(ps: ParallelState, job: JobConfig) -> None:
-    for name, size in (("pp", ps.pp_size), ("cp", ps.cp_size), ("ep", ps.ep_size)):
+    for name, size in (("pp", ps.pp_size), ("cp", ps.cp_size)):
         if size > 1:
-            raise ValueError(f"parallel.{name}={size}: the RL loop runs one process, data and tensor "
-                             f"parallelism; set parallel.{name}=1")
-    if ps.tp_size > 1 and job.parallel.sequence_parallel:
-        raise ValueError("parallel.sequence_parallel=true: the RL loop's tensor parallelism keeps whole "
-                         "sequences; set parallel.sequence_parallel=false")
+            raise ValueError(f"parallel.{name}={size}: the RL loop runs one process, data, tensor (with or without "
+                             f"sequence parallelism) and expert parallelism; set parallel.{name}=1")
+    if ps.ep_size > 1 and ps.tp_size > 1:
+        raise ValueError(f"parallel.ep={ps.ep_size} with parallel.tp={ps.tp_size}: the RL loop's engine generates "
+                         "without sequence parallelism, which expert parallelism under tp needs; set parallel.tp=1 "
+                         "or parallel.ep=1")
+
+
+def engine_parallel(job: JobConfig):
+    """The trainer's ``parallel.*`` with sequence parallelism off: the engine decodes one token per
+    sequence, which cannot be split over the TP ranks; the weights' shards are the same either way."""
+    import dataclasses
+
+    return dataclasses.replace(job.parallel, sequence_parallel=False)
 
 
 def engine_model(job: JobConfig, ps: ParallelState, device, dtype) -> torch.nn.Module:
-    """The engine's copy of the policy, laid out like the trainer's (same parallelize plan, so a refit is
-    a local copy of this rank's shards), with the same quantisation."""
+    """The engine's copy of the policy, laid out like the trainer's (same parallelize plan without
+    sequence parallelism, so a refit is a local copy of this rank's shards), with the same quantisation."""
     from parallel.materialize import materialize
     from parallel.parallelize import parallelize
 
     m = build_model(job.model, device="meta")
-    plan = parallelize(m, ps, job.parallel, job.moonep)
+    plan = parallelize(m, ps, engine_parallel(job), job.moonep)
     materialize(m, plan, job.train.seed, job.model.init_std, device)
     apply_quantization(m, job.quant)
     return m.to(dtype=dtype).eval()
 
 
 @torch.no_grad()
-def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> int:
-    """Copy every tensor of ``src``'s state into ``dst`` by canonical name (in memory, casting dtypes);
-    both must hold whole tensors. Returns the number of tensors copied."""
+def copy_weights(src: torch.nn.Module, dst: torch.nn.Module, plan=None) -> int:
+    """Copy every tensor of ``src``'s state into ``dst`` by canonical name (in memory, casting dtypes).
+    Without ``plan`` both hold the same boxes (a refit: this rank's shards into this rank's shards). With
+    ``dst``'s :class:`parallel.plan.ParallelPlan`, ``src`` holds whole tensors (a one-process model) and
+    each of ``dst``'s tp / ep shards takes its box of them. Returns the number of tensors copied."""
     want = {canonical_name(k): v for k, v in dst.state_dict().items()}
     n = 0
     for k, v in src.state_dict().items():
-        d = want.pop(canonical_name(k), None)
+        name = canonical_name(k)
+        d = want.pop(name, None)
+        sh = plan.tensors.get(name) if plan is not None and d is not None else None
+        if sh is not None and tuple(v.shape) == tuple(sh.global_shape):
+            v = v[tuple(slice(o, o + s) for o, s in zip(sh.offsets, sh.local_shape))]
         if d is None or d.shape != v.shape:
-            raise ValueError(f"refit: tensor {canonical_name(k)} {tuple(v.shape)} has no match in the engine's "
-                             f"model ({None if d is None else tuple(d.shape)})")
+            raise ValueError(f"refit: tensor {name} {tuple(v.shape)} has no match in the "
+                             f"{'engine' if plan is None else 'trainer'}'s model "
+                             f"({None if d is None else tuple(d.shape)})")
         d.copy_(v)
         n += 1
     if want:
-        raise ValueError(f"refit: the engine's model has tensors the trainer lacks, e.g. {sorted(want)[:3]}")
+        raise ValueError(f"refit: the {'engine' if plan is None else 'trainer'}'s model has tensors the source "
+                         f"lacks, e.g. {sorted(want)[:3]}")
     return n
 
 
-def response_batch(samples: List[Rollout], pad_id: int) -> Dict[str, torch.Tensor]:
+def response_batch(samples: List[Rollout], pad_id: int, multiple: int = 1, rows: int = 0,
+                   length: int = 0) -> Dict[str, torch.Tensor]:
     """Rows ``prompt + response`` shifted for next-token scoring: ``input_ids``/``targets`` [B, T],
     ``mask`` (1 at positions whose target is a response token), ``behaviour`` logprobs there, and
-    ``cu_seqlens`` (one segment per row, padding its own segment)."""
-    T = max(len(s.prompt_ids) + len(s.token_ids) - 1 for s in samples)
-    B = len(samples)
+    ``cu_seqlens`` (one segment per row, padding its own segment), ``real`` (True at the input positions
+    that are tokens of a sample, not padding). B is at least ``rows`` (extra rows:
+    padding, mask 0) and T at least ``length``, rounded up to a multiple of ``multiple`` (the
+    sequence-parallel shard count)."""
+    T = max([length] + [len(s.prompt_ids) + len(s.token_ids) - 1 for s in samples])
+    T = -(-T // multiple) * multiple
+    B = max(len(samples), rows)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
     tgt = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros(B, T)
     beh = torch.zeros(B, T)
+    real = torch.zeros(B, T, dtype=torch.bool)
     cu = [0]
     for b, s in enumerate(samples):
         full = list(s.prompt_ids) + list(s.token_ids)
@@ -187,10 +214,12 @@ def response_batch(samples: List[Rollout], pad_id: int) -> Dict[str, torch.Tenso
         ids[b, :L] = torch.tensor(full[:-1])
         tgt[b, :L] = torch.tensor(full[1:])
         mask[b, P - 1:L] = torch.tensor(s.mask, dtype=torch.float32) if s.mask else 1  # model tokens only
+        real[b, :L] = True
         beh[b, P - 1:L] = torch.tensor(s.logprobs, dtype=torch.float32)
         cu += [b * T + L] if L < T else []
         cu.append((b + 1) * T)
-    return {"input_ids": ids, "targets": tgt, "mask": mask, "behaviour": beh,
+    cu += [(b + 1) * T for b in range(len(samples), B)]
+    return {"input_ids": ids, "targets": tgt, "mask": mask, "behaviour": beh, "real": real,
             "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
 
 
@@ -220,8 +249,8 @@ class RLRunner:
         # the engine samples from the same (fake-)quantised model, in the same layout
         self.engine = Engine(engine_model(job, ps, device, dtype), tokenizer, **(engine_options or {}))
         if init_from:
-            src = Engine.from_pretrained(init_from, device=device).model
-            copy_weights(src, self.model)
+            src = Engine.from_pretrained(init_from, device=device).model  # whole tensors (any saved layout)
+            copy_weights(src, self.model, self.rs.plan)  # each rank takes its tp / ep boxes
         self.ref_model = None
         if rl.loss.kl_coef > 0:
             self.ref_model = engine_model(job, ps, device, torch.float32)
@@ -339,18 +368,39 @@ class RLRunner:
                                            self.ps.tp_group, reduction="none")
         return -nll.view(mb["targets"].shape), out.moe_stats
 
+    def _local_tokens(self, real_BT: torch.Tensor) -> torch.Tensor:
+        """Which of this rank's routed tokens (the MoE's flattened rows) are real tokens, not padding: the
+        Quantile-Balancing statistics count the tokens of the samples only, whatever the padding."""
+        if self.rs.plan.sequence_parallel:  # this rank routes its chunk of every row
+            T = real_BT.shape[1] // self.ps.tp_size
+            real_BT = real_BT[:, self.ps.tp_rank * T:(self.ps.tp_rank + 1) * T]
+        return real_BT.reshape(-1)
+
     def update(self, samples: List[Rollout], adv_N: torch.Tensor) -> dict:
         """One optimizer step on ``samples`` (every rank passes the same list; each trains its slice)."""
         rl, ps, rs, model = self.rl, self.ps, self.rs, self.model
-        lo = len(samples) * ps.dp_rank // ps.dp_size
-        hi = len(samples) * (ps.dp_rank + 1) // ps.dp_size
+        M = rl.micro_batch_size
+        cuts = [len(samples) * r // ps.dp_size for r in range(ps.dp_size + 1)]
+        lo, hi = cuts[ps.dp_rank], cuts[ps.dp_rank + 1]
         mine, adv_mine = samples[lo:hi], adv_N[lo:hi]
         dev = rs.device
+        shard = ps.tp_size if rs.plan.sequence_parallel else 1
+        # micro-batch i: rows mine[i*M:(i+1)*M]; under expert parallelism every rank runs the same number
+        # of micro-batches of the same [B, T] (MoonEP's dispatch needs equal routed rows on every EP rank):
+        # the shape of micro-batch i is the largest over the data-parallel ranks, padded with masked rows
+        shapes = [(0, 0)] * (-(-len(mine) // M))
+        if ps.ep_size > 1:
+            chunks = [[samples[a:b][i:i + M] for i in range(0, b - a, M)] for a, b in zip(cuts, cuts[1:])]
+            shapes = [(M, max(len(s.prompt_ids) + len(s.token_ids) - 1 for c in chunks if i < len(c) for s in c[i]))
+                      for i in range(max(len(c) for c in chunks))]
         mbs = []
-        for i in range(0, len(mine), rl.micro_batch_size):
-            mb = response_batch(mine[i:i + rl.micro_batch_size], self.tokenizer.pad_id)
+        for i, (rows, length) in enumerate(shapes):
+            part = mine[i * M:(i + 1) * M]
+            mb = response_batch(part, self.tokenizer.pad_id, shard, rows, length)
             mb = {k: (v if k == "cu_seqlens" else v.to(dev)) for k, v in mb.items()}
-            mb["adv"] = adv_mine[i:i + rl.micro_batch_size].to(dev)
+            adv = torch.zeros(mb["mask"].shape[0])
+            adv[:len(part)] = adv_mine[i * M:(i + 1) * M]
+            mb["adv"] = adv.to(dev)
             mbs.append(mb)
         agg = rl.loss.aggregation
         count = torch.tensor([float(sum(float(mb["mask"].sum()) for mb in mbs) if agg == "token" else len(mine))],
@@ -364,8 +414,10 @@ class RLRunner:
                 if self.ref_model is not None:
                     mb["logp_ref"] = self._logp(self.ref_model, mb)[0]
                 if self.teachers:  # MOPD: per-token rewards are the advantages
-                    rows = mine[i * rl.micro_batch_size:(i + 1) * rl.micro_batch_size]
-                    which = torch.tensor([r.group % len(self.teachers) for r in rows], device=dev)
+                    rows = mine[i * M:(i + 1) * M]
+                    which = torch.zeros(mb["mask"].shape[0], dtype=torch.long)
+                    which[:len(rows)] = torch.tensor([r.group % len(self.teachers) for r in rows], dtype=torch.long)
+                    which = which.to(dev)
                     t_MNT = torch.stack([self._logp(t, mb)[0] for t in self.teachers])
                     mb["adv"] = mopd_rewards(mb["logp_old"], t_MNT, which, rl.mopd_r_max) * mb["mask"]
         ntok = sum(float(mb["mask"].sum()) for mb in mbs)
@@ -382,8 +434,9 @@ class RLRunner:
                                    mb.get("logp_ref"))
             loss.backward()
             sums += torch.stack([loss.detach().double(), st["clip_frac_sum"], st["kl_sum"], st["tokens"]])
+            keep = self._local_tokens(mb["real"])
             for acc, s, bias in zip(rs.balancers, moe_stats, biases):
-                acc.add(s.scores_TE, bias)
+                acc.add(s.scores_TE[keep], bias)
         sync_partial_grads(model, rs.plan, ps.tp_group)
         sums = all_reduce_sum(sums, [ps.dp_group])
         out = rs.apply(self.version, rl.iterations)

@@ -101,7 +101,7 @@ class Trainer:
                                         job.model)  # noqa: E731
         if is_sft_dataset(prefix):  # chat data with an assistant-only loss mask (megak3/posttrain/sft_data.py)
             split = lambda name: open_sft_split(prefix, d.seq_len, name, d.valid_fraction, d.seed,  # noqa: E731
-                                                self.tokenizer)
+                                                self.tokenizer, job.model)
         self.train_data = Batcher(split("train"), t.micro_batch_size, ps.dp_rank, ps.dp_size)
         self._valid_packed = split("valid")
         self.has_images = has_images(prefix)

@@ -147,3 +147,63 @@ def test_per_rank_mla_work_is_balanced(cp):
         con = mla_score_work(Tn, cp, False, cu_seqlens=cu)
         assert sum(con) == sum(bal)  # the same score entries, spread differently
         assert max(con) > 1.4 * sum(con) / cp, [w * cp / sum(con) for w in con]  # what balancing fixes
+
+
+# ---- the production step under cp_balance (parallel.parity.run_steps) -----------------------------
+def _balanced_steps(rank, world, steps):
+    import functools
+    from types import SimpleNamespace
+
+    import parallel.context_parallel as cpmod
+    from parallel.parity import run_steps
+
+    # parallel/parallelize.py imports parallelize_cp at call time: hand it cp_balance=true
+    cpmod.parallelize_cp = functools.partial(cpmod.parallelize_cp,
+                                             parallel_cfg=SimpleNamespace(cp_balance=True, cp_balance_split=2))
+    calls, attend = [0], cpmod.CPShard.balanced_attention
+
+    def counted(self, *a, **k):
+        calls[0] += 1
+        return attend(self, *a, **k)
+
+    cpmod.CPShard.balanced_attention = counted
+    return run_steps(rank, world, 1, 1, False, steps, MODEL, cp=world), calls[0]
+
+
+def test_training_step_matches_single_process():
+    """cp4 with cp_balance through the production RankStep: losses, grad norms and the step-0 gradient of
+    every parameter as tests/test_context_parallel.py's tolerances."""
+    from parallel.parity import run_steps
+
+    ref = run_steps(0, 1, 1, 1, False, 2, MODEL)
+    got, calls = run_distributed(_balanced_steps, 4, 2, timeout_s=300)[0]
+    n_mla = load_model_config("k3_tiny", **MODEL).layer_kinds().count("mla")
+    assert calls == 2 * n_mla > 0  # every MLA forward of both steps took the balanced schedule
+    for a, b in zip(got["losses"], ref["losses"]):
+        assert abs(a - b) <= 1e-4, (got["losses"], ref["losses"])
+    for a, b in zip(got["grad_norms"], ref["grad_norms"]):
+        assert abs(a - b) <= 1e-5 * b, (got["grad_norms"], ref["grad_norms"])
+    diff2 = ref2 = 0.0
+    for n, g_ref in ref["grads"].items():
+        d = float((got["grads"][n].double() - g_ref.double()).norm())
+        assert d <= 5e-5 * max(float(g_ref.norm()), 1e-30), n
+        diff2, ref2 = diff2 + d * d, ref2 + float(g_ref.double().norm()) ** 2
+    assert (diff2 / ref2) ** 0.5 <= 1e-5
+
+
+def test_planner_cp_balance_terms():
+    """The planner under cp_balance: no (2cp-1)/cp factor on the MLA scores (compute down), the MLA CP
+    memory is the gathered latent + the computed blocks' q, o, lse (nothing per expanded key)."""
+    from megak3.launch.hardware import load_hardware
+    from megak3.launch.planner import PlanConfig, layer_activations, make_plan
+
+    cfg, hw = load_model_config("k3_tiny"), load_hardware("h200")
+    kw = dict(cp=4, world_size=4, seq_len=65536, precision="fp32")
+    con, bal = (make_plan(cfg, PlanConfig(cp_balance=b, **kw), hw) for b in (False, True))
+    assert bal["time"]["compute_s"] < 0.75 * con["time"]["compute_s"]
+    mla = cfg.layer_kinds().index("mla")
+    m, T, t = cfg.mla, 65536, 65536 // 4
+    L, qk = m.kv_lora_rank + m.qk_rope_head_dim, m.qk_nope_head_dim + m.qk_rope_head_dim
+    want = T * (L * 4 + 8) + t * m.num_heads * (qk + m.v_head_dim + 1) * 4
+    assert layer_activations(cfg, PlanConfig(cp_balance=True, **kw).resolved(), mla)["cp_saved"] == want
+    assert layer_activations(cfg, PlanConfig(**kw).resolved(), mla)["cp_saved"] > 2 * want

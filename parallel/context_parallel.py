@@ -39,6 +39,28 @@ imbalance; at 1M tokens it is the first thing to revisit (listed in the README's
 on this CPU (docs/SCALING.md, k3_tiny, T = 64K, cp=4, the bench's row) the slowest rank's CPU time is
 only 1.05x a quarter of cp=1's: CPU time is not proportional to these FLOP shares.
 
+Balanced MLA (``parallel.cp_balance=true``, default false; :meth:`CPShard.balanced_attention`). KDA
+keeps the contiguous segments above; only MLA's query work moves. Each row is cut into ``split * cp``
+query blocks of T/(split*cp) tokens (``parallel.cp_balance_split``, default 2; rank r holds blocks
+split*r .. split*r+split-1). :func:`balanced_blocks` gives every rank ``split`` blocks to compute: with
+one document per row and split 2 the head-tail pairing r and 2cp-1-r (every rank (2cp+1)/2 segments
+of key work: exactly even), with packed rows a work-balanced assignment from the blocks' allowed
+(query, key) counts (:func:`block_work`, computed on every rank from the global ``cu_seqlens``, so all
+agree). Per MLA layer: the latent is all-gathered as before; the local q (fp32, [B, H/tp, T/cp, qk])
+goes to the computing ranks in one all-to-all; each rank runs
+:func:`megak3.ops.attention.latent_attention` for its blocks, which expands K/V from the latent one key
+block (T/(split*cp) keys, ``CPShard.key_block``) at a time and merges the blocks' outputs by their
+log-sum-exp, and again block by block in backward; the outputs return by the reverse all-to-all.
+Counted (:func:`mla_score_work`, the chunk pairs the layers visit, k3_tiny chunks at T = 64K): the
+heaviest rank's score work over the average is 1.00 at cp 4 and 8 with one document per row (1.75 /
+1.87 contiguous) and 1.03 / 1.05 (split 4) for bench_long_context's three documents (1.48 / 1.79
+contiguous). No rank holds more than one key block's expanded K/V (the contiguous last rank holds all
+T). What it costs: every computed query block expands its key prefix again, (cp*split + 1)/2 key
+expansions per token on average instead of one (2 * kv_lora_rank * H * (nope + v) FLOPs each: ~2.5% of
+the MLA score FLOPs at K3, T = 1M, cp 32, split 2), and the q / o all-to-all (fp32, H*(qk+v) values per
+local token each way). The CUDA path is the chunked pure-torch twin too (no FlexAttention with
+``return_lse`` yet), so the switch stays off by default until measured on a GPU.
+
 Documents. The global packing (``cu_seqlens`` over the flattened global ``B*T`` stream) is cut per
 rank by :func:`megak3.ops.kda_cp.cp_local_docs`: local ``cu_seqlens`` (row ends included), whether
 row b's first local token continues the previous rank's document (the KDA scan), global positions

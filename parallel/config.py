@@ -108,6 +108,10 @@ class ParallelConfig:
         for f in ("overlap_grad_reduce", "pp_batch_p2p", "overlap_param_gather", "cp_balance"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"parallel.{f}={getattr(self, f)!r} must be true or false")
+        if self.cp_balance and self.cp > 1 and self.pp_schedule == "zb_h1":
+            raise ValueError("parallel.cp_balance=true with parallel.pp_schedule=zb_h1 is not supported (MLA's "
+                             "per-key-block K/V re-expansion in backward is untested with deferred weight "
+                             "gradients); use another pp_schedule or parallel.cp_balance=false")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
                 or not self.timeout_s > 0:
             raise ValueError(f"parallel.timeout_s={self.timeout_s!r} must be a positive number of seconds")

@@ -207,3 +207,16 @@ def test_planner_cp_balance_terms():
     want = T * (L * 4 + 8) + t * m.num_heads * (qk + m.v_head_dim + 1) * 4
     assert layer_activations(cfg, PlanConfig(cp_balance=True, **kw).resolved(), mla)["cp_saved"] == want
     assert layer_activations(cfg, PlanConfig(**kw).resolved(), mla)["cp_saved"] > 2 * want
+
+
+def test_config_refuses_bad_balance_settings():
+    from parallel.config import ParallelConfig
+    from parallel.context_parallel import check_context_parallel
+
+    for kw, field in ((dict(cp_balance="yes"), "parallel.cp_balance="), (dict(cp_balance_split=0), "cp_balance_split"),
+                      (dict(cp=2, pp=2, cp_balance=True, pp_schedule="zb_h1"), "zb_h1")):
+        with pytest.raises(ValueError, match=field):
+            ParallelConfig(**kw).validate(4)
+    with pytest.raises(ValueError, match="cp_balance_split"):
+        check_context_parallel(4, 1, False, 40, balance_split=4)  # 40 is not a multiple of 4 x 4
+    check_context_parallel(4, 1, False, 48, balance_split=4)

@@ -27,6 +27,10 @@ the probabilities chunk pair by chunk pair, so forward and backward both use O(T
 
 ``reference_attention`` is the dense masked fp32 softmax (O(T^2) memory), the twin for tests.
 
+``latent_attention`` (balanced CP, ``parallel.cp_balance``) runs the same chunked online softmax on
+keys/values it expands from a latent itself, one key block at a time, merging the blocks' outputs by
+their log-sum-exp; its backward re-expands block by block (pure torch on every device).
+
 ``attention`` is the entry point: without document ids it calls
 ``F.scaled_dot_product_attention(is_causal=True)`` on any device (its CPU and CUDA flash kernels keep
 memory linear in T); on CUDA with document ids or a query offset (context parallelism) it calls

@@ -46,6 +46,13 @@ class ParallelConfig:
     """expert tensor-parallel degree (each routed expert's width is split etp ways)"""
     order: str = DEFAULT_ORDER
     """rank order of the axes, first = fastest-varying (Megatron-Core's default 'tp-cp-ep-dp-pp')"""
+    cp_balance: bool = False
+    """MLA under cp > 1: each rank's queries cut into ``cp_balance_split`` blocks that go to the ranks
+    computing them so every rank's score work is even, K/V expanded one key block at a time
+    (parallel/context_parallel.py ``balanced_attention``); KDA keeps the contiguous segments.
+    false = every rank attends its own contiguous segment (the last rank does most)"""
+    cp_balance_split: int = 2
+    """query blocks per CP rank under ``cp_balance`` (data.seq_len must divide by cp x this)"""
     sequence_parallel: bool = False
     """shard the token axis of activations across the TP group outside the TP matmuls"""
     backend: str = "auto"
@@ -94,9 +101,17 @@ class ParallelConfig:
             raise ValueError(f"parallel.backend={self.backend!r}: choose one of {', '.join(BACKENDS)}")
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"parallel.sequence_parallel={self.sequence_parallel!r} must be true or false")
-        for f in ("overlap_grad_reduce", "pp_batch_p2p", "overlap_param_gather"):
+        if isinstance(self.cp_balance_split, bool) or not isinstance(self.cp_balance_split, int) \
+                or self.cp_balance_split < 1:
+            raise ValueError(f"parallel.cp_balance_split={self.cp_balance_split!r} must be a positive integer "
+                             "(query blocks per CP rank; 2 is the head-tail pairing)")
+        for f in ("overlap_grad_reduce", "pp_batch_p2p", "overlap_param_gather", "cp_balance"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"parallel.{f}={getattr(self, f)!r} must be true or false")
+        if self.cp_balance and self.cp > 1 and self.pp_schedule == "zb_h1":
+            raise ValueError("parallel.cp_balance=true with parallel.pp_schedule=zb_h1 is not supported (MLA's "
+                             "per-key-block K/V re-expansion in backward is untested with deferred weight "
+                             "gradients); use another pp_schedule or parallel.cp_balance=false")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
                 or not self.timeout_s > 0:
             raise ValueError(f"parallel.timeout_s={self.timeout_s!r} must be a positive number of seconds")

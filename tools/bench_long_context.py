@@ -5,6 +5,7 @@ cp = 1 and cp = 4, and the context-parallel bytes per layer against the all-to-a
                                                    # 64K step takes ~8 min; --T 4096 16384 for ~3 min)
     python tools/bench_long_context.py --quick     # T = 1K, 4K; cp = 1, 4 (~1 min)
     python tools/bench_long_context.py --T 4096 16384 --cp 1 2 4
+    python tools/bench_long_context.py --T 65536 --cp 4 --cp-balance 4   # MLA under parallel.cp_balance
     python tools/bench_long_context.py --T 4096 16384 --cp 1 --recompute none full selective
 
 Every (T, cp) runs in fresh processes (gloo ranks, one thread each): build the production RankStep
@@ -116,7 +117,7 @@ def _held_bytes(rs, b):
     return None if m0 is None else m1 - m0
 
 
-def _step_rank(rank, world, T, cp, recompute, measure_held=False):
+def _step_rank(rank, world, T, cp, recompute, measure_held=False, balance=0):
     from megak3.data.config import DataConfig
     from megak3.optim import OptimConfig
     from megak3.train.config import JobConfig, TrainConfig
@@ -129,9 +130,13 @@ def _step_rank(rank, world, T, cp, recompute, measure_held=False):
                     optim=OptimConfig(lr=1e-3, warmup_steps=0, schedule="constant"),
                     train=TrainConfig(max_steps=1, global_batch_size=1, micro_batch_size=1, device="cpu",
                                       precision="fp32", recompute=recompute),
-                    parallel=ParallelConfig(cp=cp, backend="gloo", timeout_s=1200))
+                    parallel=ParallelConfig(cp=cp, backend="gloo", timeout_s=1200, cp_balance=bool(balance),
+                                            cp_balance_split=balance or 2))
     ps = init_parallel(job.parallel, model_cfg=job.model) if world > 1 else ParallelState.single()
     rs = RankStep(job, ps, "cpu", grad_accum=1)
+    hook = getattr(rs.model, "context_parallel", None)
+    if hook is not None:  # --cp-balance (set on the hook: parallelize() builds it from ps alone)
+        hook.balance, hook.split = bool(balance), balance or 2
     b = batch(T, job.model.vocab_size, cp)
     held = _held_bytes(rs, b) if measure_held and world == 1 else None
     if world > 1:
@@ -175,6 +180,9 @@ def main(argv=None):
     ap.add_argument("--T", type=int, nargs="+", default=None, help="sequence lengths (default 4096 16384 65536)")
     ap.add_argument("--cp", type=int, nargs="*", default=None,
                     help="CP sizes (default 1 4; none when --recompute is given without --cp)")
+    ap.add_argument("--cp-balance", type=int, default=0, metavar="SPLIT",
+                    help="run the cp > 1 steps with parallel.cp_balance=true and this many query blocks per rank "
+                         "(parallel.cp_balance_split; 0 = contiguous MLA, the default)")
     ap.add_argument("--no-recompute", action="store_true",
                     help="keep every activation (= --recompute none; default: train.recompute=full, which the 64K "
                          "step needs to fit in 24 GiB: without it k3_tiny keeps ~0.75 MiB per token)")
@@ -196,7 +204,8 @@ def main(argv=None):
     for T in Ts:
         for cp in args.cp:
             t = time.perf_counter()
-            out = run_distributed(_step_rank, cp, T, cp, recompute, timeout_s=3000, collective_timeout_s=3600)
+            out = run_distributed(_step_rank, cp, T, cp, recompute, False, args.cp_balance, timeout_s=3000,
+                                  collective_timeout_s=3600)
             res[T, cp] = out
             r = {k: max(o[k] for o in out) for k in ("peak", "rss0", "wall", "cpu")}
             loss = sum(o["loss_sum"] for o in out) / out[0]["step_tokens"]
@@ -204,6 +213,11 @@ def main(argv=None):
                   f"wall {r['wall']:7.1f} s  cpu {r['cpu']:7.1f} s  loss {loss:.5f}  "
                   f"grad norm {out[0]['grad_norm']:.5f}  ({time.perf_counter() - t:.0f} s with start-up)",
                   flush=True)
+            if cp > 1:
+                steps = [o["peak"] - o["rss0"] for o in out]
+                print(f"      step memory per rank {' / '.join(fmt(x) for x in steps)}; last / first "
+                      f"{steps[-1] / max(steps[0], 1):.2f}; peak last / first {out[-1]['peak'] / out[0]['peak']:.2f}"
+                      f"{'  (cp_balance split ' + str(args.cp_balance) + ')' if args.cp_balance else ''}", flush=True)
     rec = {}
     if args.recompute:
         for T in Ts:

@@ -143,7 +143,14 @@ Context parallelism (parallel.cp, parallel/context_parallel.py; cp = 1 plans exa
              (exposed, inside the bubble factor).
   MLA imbalance  contiguous placement: the last CP rank's queries see (cp - 1/2) segments of keys,
              (2cp - 1) / cp x the average MLA score work; the step waits for it, so a stage's MLA
-             score FLOPs count x (2cp - 1) / cp.
+             score FLOPs count x (2cp - 1) / cp. Under cp_balance (parallel/context_parallel.py) the
+             score work is even (x 1, one document per row) and each computed query block expands
+             its whole key prefix again, block by block: on average (cp x split + 1) / 2 key
+             expansions per local token instead of one, 2 x kv_lora_rank x H x (nope + v) FLOPs
+             each (x 4 in training: forward, re-expansion in backward, its backward); the MLA CP memory is then the gathered latent and document ids of all T keys
+             (kv_lora_rank + rope in the activation dtype + 8 B) plus the computed blocks' fp32
+             q, o and lse (nothing per expanded key is saved); the sent bytes add the local q and
+             o in fp32 (the query all-to-all out and back, reversed in backward).
 """
 from __future__ import annotations
 
@@ -241,6 +248,10 @@ class PlanConfig:
     """0: world_size / (tp * cp * pp)"""
     cp: int = 1
     """parallel.cp: context-parallel degree (each sequence split into cp contiguous segments)"""
+    cp_balance: bool = False
+    """parallel.cp_balance: MLA's balanced schedule (query blocks moved, K/V expanded per key block)"""
+    cp_balance_split: int = 2
+    """parallel.cp_balance_split: query blocks per CP rank under cp_balance"""
     world_size: int = 1
     sequence_parallel: bool = True
     """SP under tp > 1 (the trainer's EP x TP layouts require it)"""
@@ -322,7 +333,8 @@ class PlanConfig:
         if self.cp > 1:
             from parallel.context_parallel import check_context_parallel
 
-            check_context_parallel(self.cp, self.tp, sp, self.seq_len)
+            check_context_parallel(self.cp, self.tp, sp, self.seq_len,
+                                   balance_split=self.cp_balance_split if self.cp_balance else 0)
         if sp and self.seq_len % self.tp:
             raise ValueError(f"data.seq_len={self.seq_len} must be a multiple of parallel.tp={self.tp} under "
                              "sequence parallelism")
@@ -885,6 +897,17 @@ def cp_layer_figures(cfg: ModelConfig, pc: PlanConfig, kind: str) -> dict:
         out["halo_fwd"] = out["halo_bwd"] = (k.conv_kernel - 1) * B * H * (2 * K + V) * a
         out["sent_fwd"] = out["scan_fwd"] + out["halo_fwd"]
         out["sent_bwd"] = out["scan_bwd"] + out["halo_bwd"]
+    elif kind == "mla" and pc.cp_balance:
+        m = cfg.mla
+        H, L = m.num_heads / pc.tp, m.kv_lora_rank + m.qk_rope_head_dim
+        qk, v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+        out["prefix_keys"] = B * T / (pc.cp * pc.cp_balance_split)  # one key block expanded at a time
+        out["prefix_bytes_per_key"] = L * a + 8                      # the gathered latent and document ids
+        # + the computed query blocks' q, o and lse (fp32) saved by latent_attention
+        out["saved"] = out["prefix_bytes_per_key"] * B * T + t * H * (qk + v + 1) * 4
+        out["latent_fwd"] = out["latent_bwd"] = (cp - 1) * t * L * a
+        moved = t * H * (qk + v) * 4                                 # q out, o back (fp32); reversed in backward
+        out["sent_fwd"], out["sent_bwd"] = out["latent_fwd"] + moved, out["latent_bwd"] + moved
     elif kind == "mla":
         m = cfg.mla
         H, L = m.num_heads / pc.tp, m.kv_lora_rank + m.qk_rope_head_dim
@@ -899,7 +922,8 @@ def cp_layer_figures(cfg: ModelConfig, pc: PlanConfig, kind: str) -> dict:
 
 def layer_activations(cfg: ModelConfig, pc: PlanConfig, i: int) -> dict:
     """Saved bytes of decoder layer i for one micro-batch on one rank, by part."""
-    key = (_key(cfg), pc.micro_batch_size, pc.seq_len, pc.tp, pc.sequence_parallel, pc.precision, pc.cp, i)
+    key = (_key(cfg), pc.micro_batch_size, pc.seq_len, pc.tp, pc.sequence_parallel, pc.precision, pc.cp, i,
+           pc.cp_balance, pc.cp_balance_split)
     if key not in _LAYER_ACTS:
         _LAYER_ACTS[key] = _layer_activations(cfg, pc, i)
     return _LAYER_ACTS[key]
@@ -1318,7 +1342,14 @@ def stage_time(cfg: ModelConfig, pc: PlanConfig, hw, stage: int, comm: dict, bub
     layers = _stage_layer_list(cfg, pc, stage)
     fwd_layers = sum(per[i] for i in layers)
     fwd_head = head if stage == pc.pp - 1 else 0.0
-    if pc.cp > 1:  # contiguous placement: the last CP rank does (2cp - 1) / cp x the average MLA score work
+    if pc.cp > 1 and pc.cp_balance:  # even score work; each query block re-expands its key prefix
+        kinds = cfg.layer_kinds()
+        n_mla = sum(1 for i in layers if kinds[i] == "mla")
+        m = cfg.mla
+        expand = 2 * m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim)  # per key
+        # x 4/3: the forward expansion, its re-expansion in backward and that one's backward (2x)
+        fwd_layers += n_mla * expand * ((pc.cp * pc.cp_balance_split + 1) / 2 - 1) * 4 / 3
+    elif pc.cp > 1:  # contiguous placement: the last CP rank does (2cp - 1) / cp x the average MLA score work
         kinds = cfg.layer_kinds()
         n_mla = sum(1 for i in layers if kinds[i] == "mla")
         fwd_layers += n_mla * _mla_scores(cfg, pc.seq_len) * ((2 * pc.cp - 1) / pc.cp - 1)

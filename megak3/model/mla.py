@@ -51,6 +51,11 @@ class GatedMLA(nn.Module):
         """Causal attention within each document of ``seq`` (no [T, T] mask is materialised).
         Under train.recompute=selective the projections and the output gate are recompute segments
         and the attention core keeps its own q, k, v, o, lse (megak3/model/recompute.py)."""
+        if seq.cp is not None and seq.cp.balance:  # balanced CP: query blocks moved, K/V per key block
+            q, latent = segment(self._q_latent, x_BTD)
+            o = seq.cp.balanced_attention(q, latent, self._expand, self._expand_params(), self.softmax_scale,
+                                          self.q_chunk, self.k_chunk)
+            return segment(self._output, o, x_BTD)
         q, k, v = segment(self._qkv, x_BTD, seq)
         q_offset, doc = 0, document_ids(seq, x_BTD.device)
         if seq.cp is not None:  # keys are the gathered latents of [0, end of segment)
@@ -61,19 +66,31 @@ class GatedMLA(nn.Module):
 
     def _qkv(self, x_BTD: torch.Tensor, seq: SeqInfo):
         """q [B, H, T, nope+rope], k [B, H, Tk, nope+rope], v [B, H, Tk, v_dim], fp32."""
-        B, T, _ = x_BTD.shape
-        H = self.num_heads
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))).view(B, T, H, self.q_head_dim)
-        latent = self.kv_a_proj_with_mqa(x_BTD)
+        q, latent = self._q_latent(x_BTD)
         if seq.cp is not None:  # context parallelism: keys are the gathered latents of [0, end of segment)
             latent = seq.cp.gather_keys(latent)
-        Tk = latent.shape[1]
-        c_kv, k_pe = latent.split([self.kv_rank, self.rope], dim=-1)
+        return (q, *self._expand(latent))
+
+    def _q_latent(self, x_BTD: torch.Tensor):
+        """(q [B, H, T, nope+rope] fp32, latent [B, T, kv_lora_rank + rope]: kv_a_proj_with_mqa's output)."""
+        B, T, _ = x_BTD.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))).view(B, T, self.num_heads, self.q_head_dim)
+        return q.transpose(1, 2).float(), self.kv_a_proj_with_mqa(x_BTD)
+
+    def _expand(self, latent_BTL: torch.Tensor):
+        """(k [B, H, Tk, nope+rope], v [B, H, Tk, v_dim]) fp32 of the latent [B, Tk, kv_lora_rank + rope]."""
+        B, Tk, _ = latent_BTL.shape
+        H = self.num_heads
+        c_kv, k_pe = latent_BTL.split([self.kv_rank, self.rope], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, Tk, H, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         # NoPE: the shared k_pe slot is broadcast over heads un-rotated (MQA-style).
         k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(B, Tk, H, self.rope)], dim=-1)
-        return tuple(t.transpose(1, 2).float() for t in (q, k, v))  # [B, H, T, *], fp32 softmax
+        return k.transpose(1, 2).float(), v.transpose(1, 2).float()  # [B, H, Tk, *], fp32 softmax
+
+    def _expand_params(self) -> list:
+        """the parameters :meth:`_expand` reads (their gradients come back from latent_attention)"""
+        return [p for p in (*self.kv_a_layernorm.parameters(), *self.kv_b_proj.parameters()) if p.requires_grad]
 
     def _output(self, o, x_BTD: torch.Tensor):
         B, H, T, _ = o.shape

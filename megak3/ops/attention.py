@@ -27,6 +27,10 @@ the probabilities chunk pair by chunk pair, so forward and backward both use O(T
 
 ``reference_attention`` is the dense masked fp32 softmax (O(T^2) memory), the twin for tests.
 
+``latent_attention`` (balanced CP, ``parallel.cp_balance``) runs the same chunked online softmax on
+keys/values it expands from a latent itself, one key block at a time, merging the blocks' outputs by
+their log-sum-exp; its backward re-expands block by block (pure torch on every device).
+
 ``attention`` is the entry point: without document ids it calls
 ``F.scaled_dot_product_attention(is_causal=True)`` on any device (its CPU and CUDA flash kernels keep
 memory linear in T); on CUDA with document ids or a query offset (context parallelism) it calls
@@ -89,9 +93,12 @@ class _Plan:
     ``q_offset + i``; ``doc_BT``: the keys' document ids ``[B, k_len]`` or None."""
 
     def __init__(self, T: int, q_chunk: int, k_chunk: int, doc_BT: Optional[torch.Tensor],
-                 q_offset: int = 0, k_len: Optional[int] = None):
+                 q_offset: int = 0, k_len: Optional[int] = None, q_doc_BT: Optional[torch.Tensor] = None):
         Tk = q_offset + T if k_len is None else k_len
         self.T, self.Tk, self.q_offset, self.qc, self.kc = T, Tk, q_offset, q_chunk, k_chunk
+        if doc_BT is not None and q_doc_BT is None:
+            q_doc_BT = doc_BT[:, q_offset:q_offset + T]
+        self.q_doc = q_doc_BT
         qs = torch.arange(0, T, q_chunk)
         ks = torch.arange(0, Tk, k_chunk)
         qe, ke = (qs + q_chunk).clamp(max=T), (ks + k_chunk).clamp(max=Tk)
@@ -100,7 +107,7 @@ class _Plan:
         if doc_BT is None:
             need_doc = torch.zeros_like(visible)
         else:
-            qmin, qmax = _chunk_minmax(doc_BT[:, q_offset:q_offset + T], q_chunk)
+            qmin, qmax = _chunk_minmax(q_doc_BT, q_chunk)
             kmin, kmax = _chunk_minmax(doc_BT, k_chunk)
             qmin, qmax, kmin, kmax = qmin[:, :, None], qmax[:, :, None], kmin[:, None, :], kmax[:, None, :]
             overlap = ((kmin <= qmax) & (kmax >= qmin)).any(0)  # document ranges intersect in some row
@@ -130,9 +137,10 @@ def _disallowed(plan: _Plan, i: int, j: int, nc: bool, nd: bool, doc_BT, idx_T):
     t0 = plan.q_offset
     out = None
     if nc:
-        out = (idx_T[None, k0:k1] > idx_T[t0 + q0:t0 + q1, None])[None, None]
+        q_pos = torch.arange(t0 + q0, t0 + q1, device=idx_T.device)
+        out = (idx_T[None, k0:k1] > q_pos[:, None])[None, None]
     if nd:
-        other = (doc_BT[:, t0 + q0:t0 + q1, None] != doc_BT[:, None, k0:k1]).unsqueeze(1)
+        other = (plan.q_doc[:, q0:q1, None] != doc_BT[:, None, k0:k1]).unsqueeze(1)
         out = other if out is None else out | other
     return out
 
@@ -162,7 +170,8 @@ def _forward(q, k, v, doc_BT, scale: float, plan: _Plan):
             l.mul_(alpha).add_(p.sum(-1))
             acc.mul_(alpha.unsqueeze(-1)).add_(torch.matmul(p, v[:, :, k0:k1].float()))
             m = m_new
-        o[:, :, q0:q1] = acc.div_(l.unsqueeze(-1))
+        # a query with no allowed key here (only in latent_attention's key blocks): o = 0, lse = -inf
+        o[:, :, q0:q1] = acc.div_(l.masked_fill(l == 0, 1.0).unsqueeze(-1))
         lse[:, :, q0:q1] = m + l.log()
     return o, lse
 
@@ -238,6 +247,97 @@ def chunked_attention(q_BHTK, k_BHTK, v_BHTV, scale: float, doc_ids_BT: Optional
     doc = None if doc_ids_BT is None else doc_ids_BT.to(q_BHTK.device)
     return _ChunkedAttention.apply(q_BHTK, k_BHTK, v_BHTV, doc, float(scale), int(q_chunk), int(k_chunk),
                                    int(q_offset))
+
+
+def _key_blocks(q_pos0: int, Tq: int, Tk: int, k_block: int):
+    """(k0, k1) of the key blocks with some key not in the future of the last query."""
+    last = min(Tk, q_pos0 + Tq)
+    return [(k0, min(k0 + k_block, Tk)) for k0 in range(0, last, k_block)]
+
+
+def _block_plan(Tq, q_chunk, k_chunk, doc_q_BT, doc_k_BT, q_pos0, k0, k1):
+    doc_k = None if doc_k_BT is None else doc_k_BT[:, k0:k1]
+    return _Plan(Tq, q_chunk, k_chunk, doc_k, q_pos0 - k0, k1 - k0, None if doc_k is None else doc_q_BT)
+
+
+class _LatentAttention(torch.autograd.Function):
+    """Attention of queries against keys/values expanded from a latent one key block at a time;
+    the blocks' (o, lse) merged by log-sum-exp. Backward re-expands each block and runs the flash
+    backward of that block against the final lse, then backpropagates dK, dV through the expansion."""
+
+    @staticmethod
+    def forward(ctx, q, latent, doc_q, doc_k, expand, scale, q_pos0, k_block, q_chunk, k_chunk, *params):
+        B, H, Tq, _ = q.shape
+        o_acc = lse_acc = None
+        for k0, k1 in _key_blocks(q_pos0, Tq, latent.shape[1], k_block):
+            plan = _block_plan(Tq, q_chunk, k_chunk, doc_q, doc_k, q_pos0, k0, k1)
+            k, v = expand(latent[:, k0:k1])
+            o, lse = _forward(q, k, v, None if doc_k is None else doc_k[:, k0:k1], scale, plan)
+            del k, v
+            o = o.float()
+            if o_acc is None:
+                o_acc, lse_acc = o, lse
+                continue
+            new = torch.logaddexp(lse_acc, lse)
+            safe = new.masked_fill(new == float("-inf"), 0.0)
+            o_acc = o_acc.mul_((lse_acc - safe).exp_().unsqueeze(-1)).add_(o.mul_((lse - safe).exp_().unsqueeze(-1)))
+            lse_acc = new
+        o = o_acc.to(q.dtype)
+        ctx.save_for_backward(q, latent, o, lse_acc, doc_q, doc_k, *params)
+        ctx.expand, ctx.scale, ctx.q_pos0, ctx.k_block, ctx.chunks = expand, scale, q_pos0, k_block, (q_chunk, k_chunk)
+        dev = q.device.type
+        ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        return o
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do):
+        q, latent, o, lse, doc_q, doc_k, *params = ctx.saved_tensors
+        Tq = q.shape[2]
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dlatent = torch.zeros(latent.shape, dtype=torch.float32, device=q.device)
+        dparams = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        dev, enabled, dtype = ctx.autocast
+        for k0, k1 in _key_blocks(ctx.q_pos0, Tq, latent.shape[1], ctx.k_block):
+            plan = _block_plan(Tq, *ctx.chunks, doc_q, doc_k, ctx.q_pos0, k0, k1)
+            lat = latent[:, k0:k1].detach().requires_grad_()
+            with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
+                k, v = ctx.expand(lat)
+            dq_j, dk, dv = _backward(do, q, k.detach(), v.detach(), o, lse,
+                                     None if doc_k is None else doc_k[:, k0:k1], ctx.scale, plan)
+            dq.add_(dq_j)
+            grads = torch.autograd.grad((k, v), [lat, *params], (dk.to(k.dtype), dv.to(v.dtype)),
+                                        allow_unused=True)
+            dlatent[:, k0:k1] = grads[0].float()
+            for acc, g in zip(dparams, grads[1:]):
+                if g is not None:
+                    acc.add_(g.float())
+        return (dq.to(q.dtype), dlatent.to(latent.dtype), None, None, None, None, None, None, None, None,
+                *[g.to(p.dtype) for g, p in zip(dparams, params)])
+
+
+def latent_attention(q_BHTK, latent_BTL, expand, params, scale: float, doc_q_BT: Optional[torch.Tensor] = None,
+                     doc_k_BT: Optional[torch.Tensor] = None, q_pos0: int = 0, k_block: int = 1024,
+                     q_chunk: int = DEFAULT_Q_CHUNK, k_chunk: int = DEFAULT_K_CHUNK) -> torch.Tensor:
+    """Causal same-document attention of ``q_BHTK`` (queries at positions ``[q_pos0, q_pos0 + Tq)``)
+    against keys/values expanded from ``latent_BTL`` [B, Tk, L] (keys at positions ``[0, Tk)``), key
+    block by key block: ``expand(latent[:, k0:k1]) -> (k [B, H, n, K], v [B, H, n, V])`` runs on one
+    block of ``k_block`` keys at a time (forward, and again in backward), so at most one block's
+    expanded K/V exists at once; the blocks' partial outputs are merged by their log-sum-exp.
+    ``params``: the tensors ``expand`` reads that need gradients (their gradients are returned).
+    ``doc_q_BT`` [B, Tq] / ``doc_k_BT`` [B, Tk]: document ids (both or neither). Key blocks wholly in
+    the future of the last query are skipped (never expanded). Equal to :func:`chunked_attention` of
+    the fully expanded keys with ``q_offset = q_pos0`` (tests/test_cp_balance.py)."""
+    if (doc_q_BT is None) != (doc_k_BT is None):
+        raise ValueError("latent_attention needs both doc_q_BT and doc_k_BT, or neither")
+    if q_pos0 + q_BHTK.shape[2] > latent_BTL.shape[1]:
+        raise ValueError(f"q_pos0={q_pos0} with {q_BHTK.shape[2]} queries needs at least "
+                         f"{q_pos0 + q_BHTK.shape[2]} keys; got {latent_BTL.shape[1]}")
+    dev = q_BHTK.device
+    dq = None if doc_q_BT is None else doc_q_BT.to(dev)
+    dk = None if doc_k_BT is None else doc_k_BT.to(dev)
+    return _LatentAttention.apply(q_BHTK, latent_BTL, dq, dk, expand, float(scale), int(q_pos0), int(k_block),
+                                  int(q_chunk), int(k_chunk), *params)
 
 
 @functools.lru_cache(maxsize=None)

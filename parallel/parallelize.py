@@ -301,7 +301,7 @@ def parallelize(model: nn.Module, ps, parallel_cfg=None, moonep_cfg=None, model_
     # cp: the sequence split over the CP ranks (parameters untouched)
     from .context_parallel import parallelize_cp
 
-    if parallelize_cp(model, ps) is not None:
+    if parallelize_cp(model, ps, par) is not None:
         plan.transforms.append("cp")
 
     ep_dims = plan.ep.shard_dim

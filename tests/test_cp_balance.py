@@ -151,15 +151,16 @@ def test_per_rank_mla_work_is_balanced(cp):
 
 # ---- the production step under cp_balance (parallel.parity.run_steps) -----------------------------
 def _balanced_steps(rank, world, steps):
-    import functools
     from types import SimpleNamespace
 
     import parallel.context_parallel as cpmod
     from parallel.parity import run_steps
 
-    # parallel/parallelize.py imports parallelize_cp at call time: hand it cp_balance=true
-    cpmod.parallelize_cp = functools.partial(cpmod.parallelize_cp,
-                                             parallel_cfg=SimpleNamespace(cp_balance=True, cp_balance_split=2))
+    # parallel/parallelize.py imports parallelize_cp at call time: hand it cp_balance=true whatever
+    # the parity job's config says
+    orig = cpmod.parallelize_cp
+    cpmod.parallelize_cp = lambda model, ps, parallel_cfg=None: orig(
+        model, ps, SimpleNamespace(cp_balance=True, cp_balance_split=2))
     calls, attend = [0], cpmod.CPShard.balanced_attention
 
     def counted(self, *a, **k):

@@ -43,7 +43,8 @@ KEYS = {"parallel.tp": ("tp", int), "parallel.pp": ("pp", int), "parallel.ep": (
         "parallel.pp_layout": ("pp_layout", "list"), "model.moe.qb_method": ("qb_method", str),
         "moonep.enabled": ("moonep", "bool"), "moonep.max_replicas_per_rank": ("max_replicas_per_rank", int),
         "data.vision_fraction": ("vision_fraction", float), "data.image_side": ("image_side", int),
-        "optim.offload": ("offload", str)}
+        "optim.offload": ("offload", str), "parallel.cp_balance": ("cp_balance", "bool"),
+        "parallel.cp_balance_split": ("cp_balance_split", int)}
 LAYOUT_KEYS = ("tp", "pp", "ep", "dp", "cp")
 
 
@@ -138,8 +139,10 @@ def format_plan(p) -> str:
     cps = m.get("cp_saved_per_micro_batch", {})
     if L.get("cp", 1) > 1:
         lines.append(f"    CP, per micro-batch: KDA summaries/identity block {_g(cps.get('kda', 0)).strip()}, MLA "
-                     f"prefix keys {_g(cps.get('mla', 0)).strip()} (latent + fp32 K/V of the last CP rank's "
-                     f"{L['seq_len']} keys; inside the above)")
+                     f"prefix keys {_g(cps.get('mla', 0)).strip()} ("
+                     + ("gathered latent + one expanded key block and the computed query blocks, balanced schedule"
+                        if L.get("cp_balance") else f"latent + fp32 K/V of the last CP rank's {L['seq_len']} keys")
+                     + "; inside the above)")
     if "vision" in p:
         v = p["vision"]
         h, w = v["image_patches"]

@@ -396,7 +396,8 @@ def check_model(cfg: ModelConfig, pc: PlanConfig) -> None:
     if pc.cp > 1:
         from parallel.context_parallel import check_context_parallel
 
-        check_context_parallel(pc.cp, pc.tp, pc.sequence_parallel, pc.seq_len, cfg)
+        check_context_parallel(pc.cp, pc.tp, pc.sequence_parallel, pc.seq_len, cfg,
+                               balance_split=pc.cp_balance_split if pc.cp_balance else 0)
     if pc.ep > 1 and pc.moonep:
         from moonep.config import MoonEPConfig
 
@@ -1405,6 +1406,8 @@ def trainer_overrides(pc: PlanConfig, split: bool = False) -> str:
         out.append("train.activation_checkpointing=false")
     if pc.offload == "cpu":
         out.append("optim.offload=cpu")
+    if pc.cp > 1 and pc.cp_balance:
+        out.append(f"parallel.cp_balance=true parallel.cp_balance_split={pc.cp_balance_split}")
     return " ".join(out)
 
 
@@ -1438,7 +1441,8 @@ def make_plan(cfg: ModelConfig, pc: PlanConfig, hw) -> dict:
                    "pp_schedule": pc.pp_schedule, "vp": pc.vp, "pp_split_blocks": split,
                    "stage_layers": [s["layers"] for s in stages],
                    "precision": pc.precision, "param_dtype": pc.param_dtype, "qb_method": qb_method(cfg, pc),
-                   **({"offload": pc.offload} if pc.offload != "none" else {})},
+                   **({"offload": pc.offload} if pc.offload != "none" else {}),
+                   **({"cp_balance": True, "cp_balance_split": pc.cp_balance_split} if pc.cp_balance else {})},
         "hardware": hw.name,
         "memory": worst, "stages": stages,
         "flops_per_token": fl,

@@ -127,7 +127,8 @@ class JobConfig:
         from parallel.context_parallel import check_context_parallel
 
         check_context_parallel(self.parallel.cp, self.parallel.tp, self.parallel.sequence_parallel,
-                               self.data.seq_len, self.model)
+                               self.data.seq_len, self.model,
+                               balance_split=self.parallel.cp_balance_split if self.parallel.cp_balance else 0)
         self.moonep.validate(self.model.moe.num_experts, self.parallel.ep)
         par, t = self.parallel, self.train
         check_expert_tp(par.ep, par.tp, par.sequence_parallel)

@@ -74,7 +74,8 @@ class Trainer:
             raise ValueError(f"parallel.etp={ps.etp_size}: this build trains tensor, sequence, context, data, "
                              "expert and pipeline parallel layouts; set parallel.etp=1")
         check_expert_tp(ps.ep_size, ps.tp_size, par.sequence_parallel)
-        check_context_parallel(ps.cp_size, ps.tp_size, par.sequence_parallel, d.seq_len, job.model)
+        check_context_parallel(ps.cp_size, ps.tp_size, par.sequence_parallel, d.seq_len, job.model,
+                               balance_split=par.cp_balance_split if par.cp_balance else 0)
         rows = t.micro_batch_size * ps.dp_size
         if t.global_batch_size % rows:
             raise ValueError(f"train.global_batch_size={t.global_batch_size} must be a multiple of "

@@ -9,7 +9,7 @@ also lists the data files its entries name with their sizes (and, for object fil
 per-rank files appear in no file whose size grows with the world size.
 
 The top-level ``index.json`` holds the sorted key lists front-coded (``[[shared_prefix_len, suffix],
-...]``) and, per part, its file, first and last key, bytes and sha256. A reader reads it (verified by
+...]``) and, per part, its file, first key, bytes and sha256. A reader reads it (verified by
 the manifest's sha256), then a part only when a key in its range is first asked for, verified by the
 sha256 in the top-level index: a hash tree rooted in the manifest.
 """
@@ -75,8 +75,8 @@ def split_parts(entries: dict, part_bytes: int) -> list:
 
 def build(kind: str, entries: dict, file_info: dict, files_of, part_bytes: int) -> tuple:
     """Part files of one kind (``"index"`` or ``"objects"``): returns ``(blobs, refs)`` where ``blobs``
-    maps file name -> bytes and ``refs`` is the top-level list ``[{"file", "first", "last", "bytes",
-    "sha256"}]``. ``files_of(value)`` names the data files an entry uses; each part lists those
+    maps file name -> bytes and ``refs`` is the top-level list ``[{"file", "first", "bytes", "sha256"}]``
+    (``first``: the part's first key; a part ends where the next begins). ``files_of(value)`` names the data files an entry uses; each part lists those
     files' ``file_info`` entries."""
     blobs, refs = {}, []
     for i, keys in enumerate(split_parts(entries, part_bytes)):
@@ -86,7 +86,7 @@ def build(kind: str, entries: dict, file_info: dict, files_of, part_bytes: int) 
         data = json.dumps(body, sort_keys=True).encode()
         name = f"{kind}_{i:05d}.json"
         blobs[name] = data
-        refs.append({"file": name, "first": keys[0], "last": keys[-1], "bytes": len(data),
+        refs.append({"file": name, "first": keys[0], "bytes": len(data),
                      "sha256": hashlib.sha256(data).hexdigest()})
     return blobs, refs
 

@@ -444,13 +444,13 @@ class ShardedCheckpointer:
             _check_disjoint(key, info["chunks"])
         # the per-rank files go into the parts that name them, not into the manifest (O(world) entries)
         rank_files = {n: files.pop(n) for n in list(files) if n != ckpt.STATE_FILE}
-        object_map: dict = {}  # object key -> files holding it, ranks ascending
+        object_map: dict = {}  # object key -> the lowest rank's file holding it (the one a reader takes)
         for o in obj_files:
             for k in o["keys"]:
-                object_map.setdefault(k, []).append(o["file"])
+                object_map.setdefault(k, o["file"])
         blobs, tensor_refs = shard_index.build("index", keys, rank_files, lambda e: {c["file"] for c in e["chunks"]},
                                                self.index_part_bytes)
-        oblobs, object_refs = shard_index.build("objects", object_map, rank_files, lambda fs: fs,
+        oblobs, object_refs = shard_index.build("objects", object_map, rank_files, lambda f: (f,),
                                                 self.index_part_bytes)
         blobs.update(oblobs)
         for name, data in blobs.items():  # sha256 in the top-level index; size in the manifest
@@ -566,7 +566,7 @@ class CheckpointReader:
         self._parts = shard_index.PartLookup(index["parts"])
         self._object_key_set = set(shard_index.front_decode(index["object_keys"]))
         self._object_parts = shard_index.PartLookup(index["object_parts"])
-        self._object_map: dict = {}   # object key -> files holding it (ranks ascending), parts read so far
+        self._object_map: dict = {}   # object key -> the lowest rank's file holding it, parts read so far
 
     def _read_verified(self, name: str, entry: Optional[dict] = None) -> bytes:
         """The bytes of ``name``, checked against ``entry`` (default: its manifest entry)."""
@@ -648,11 +648,11 @@ class CheckpointReader:
                 self._object_map.update(self._read_part(ref))
         by_file: dict = {}  # the lowest rank's file per key
         for k in want:
-            files = self._object_map.get(k)
-            if not files:
+            name = self._object_map.get(k)
+            if name is None:
                 raise CheckpointError(f"checkpoint {self.path}: object key {k!r} is listed in index.json but not "
                                       "in its part (corrupt index)")
-            by_file.setdefault(files[0], []).append(k)
+            by_file.setdefault(name, []).append(k)
         out: dict = {}
         for name in sorted(by_file):
             entry = self._sizes.get(name)

@@ -3,26 +3,25 @@
 Writing (rank 0, at commit): every key's entry (global shape, dtype, chunk list) goes to one *tensor
 part* file ``index_NNNNN.json``; keys are sorted naturally (digit runs compare as numbers, so
 ``layers.2`` < ``layers.10`` and a pipeline stage's layers are one contiguous range) and cut into
-parts of about ``part_bytes`` of JSON each, a key never split. Object keys (the per-rank ``objects``
+parts by :func:`group_of` (one part per decoder layer, per top-level module otherwise). Object keys (the per-rank ``objects``
 dicts) map to the files that hold them in *object parts* ``objects_NNNNN.json`` the same way. A part
 also lists the data files its entries name with their sizes (and, for object files, sha256), so the
 per-rank files appear in no file whose size grows with the world size.
 
 The top-level ``index.json`` holds the sorted key lists front-coded (``[[shared_prefix_len, suffix],
-...]``) and, per part, its file, first key, bytes and sha256. A reader reads it (verified by
+...]``) and, per part, its group and sha256 (its size is in the manifest; part i of a kind is file
+``KIND_0000i.json``). A reader reads it (verified by
 the manifest's sha256), then a part only when a key in its range is first asked for, verified by the
 sha256 in the top-level index: a hash tree rooted in the manifest.
 """
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import re
 from typing import Iterable
 
 INDEX_VERSION = 2
-PART_BYTES = 64 << 10  # default JSON bytes per part
 _DIGITS = re.compile(r"(\d+)")
 
 
@@ -57,47 +56,53 @@ def front_decode(coded: list) -> list:
     return out
 
 
-def split_parts(entries: dict, part_bytes: int) -> list:
-    """Cut ``entries`` (key -> JSON-able value) into lists of keys in natural order, each list's entries
-    about ``part_bytes`` of JSON (at least one key per part)."""
-    parts, cur, size = [], [], 0
-    for k in natural_sorted(entries):
-        n = len(k) + len(json.dumps(entries[k], sort_keys=True)) + 6
-        if cur and size + n > part_bytes:
-            parts.append(cur)
-            cur, size = [], 0
-        cur.append(k)
-        size += n
-    if cur:
-        parts.append(cur)
-    return parts
+def group_of(key: str) -> str:
+    """The part a key belongs to: the key up to the end of its first digit run (``model/layers.12``,
+    ``optim/layers.12``, ``optim_meta/layers.12``), else up to its first ``.`` (``model/embed``)."""
+    m = _DIGITS.search(key)
+    return key[:m.end()] if m else key.split(".", 1)[0]
 
 
-def build(kind: str, entries: dict, file_info: dict, files_of, part_bytes: int) -> tuple:
+def split_parts(keys: Iterable[str]) -> list:
+    """Group ``keys`` (natural order) by :func:`group_of`: one list of keys per part. A part's content
+    depends only on its own keys, so a reader (and the planner) can tell which parts a set of keys
+    touches and their sizes without knowing the rest of the checkpoint."""
+    parts: dict = {}
+    for k in natural_sorted(keys):
+        parts.setdefault(group_of(k), []).append(k)
+    return sorted(parts.values(), key=lambda ks: natural_key(ks[0]))
+
+
+def build(kind: str, entries: dict, file_info: dict, files_of) -> tuple:
     """Part files of one kind (``"index"`` or ``"objects"``): returns ``(blobs, refs)`` where ``blobs``
-    maps file name -> bytes and ``refs`` is the top-level list ``[{"file", "first", "bytes", "sha256"}]``
-    (``first``: the part's first key; a part ends where the next begins). ``files_of(value)`` names the data files an entry uses; each part lists those
+    maps file name (:func:`part_name`) -> bytes and ``refs`` is the top-level list ``[[group,
+    sha256]]``, part i in file ``part_name(kind, i)``. ``files_of(value)`` names the data files an entry uses; each part lists those
     files' ``file_info`` entries."""
     blobs, refs = {}, []
-    for i, keys in enumerate(split_parts(entries, part_bytes)):
+    for i, keys in enumerate(split_parts(entries)):
         used = sorted({f for k in keys for f in files_of(entries[k])})
         body = {"format": INDEX_VERSION, "entries": {k: entries[k] for k in keys},
                 "files": {f: file_info[f] for f in used}}
         data = json.dumps(body, sort_keys=True).encode()
-        name = f"{kind}_{i:05d}.json"
+        name = part_name(kind, i)
         blobs[name] = data
-        refs.append({"file": name, "first": keys[0], "bytes": len(data),
-                     "sha256": hashlib.sha256(data).hexdigest()})
+        refs.append([group_of(keys[0]), hashlib.sha256(data).hexdigest()])
     return blobs, refs
 
 
+def part_name(kind: str, i: int) -> str:
+    return f"{kind}_{i:05d}.json"
+
+
 class PartLookup:
-    """Which part of a top-level ``refs`` list holds a key (bisect on the parts' first keys)."""
+    """The part holding a key, from a top-level ``refs`` list (by the key's :func:`group_of`)."""
 
-    def __init__(self, refs: list):
-        self.refs = refs
-        self._firsts = [natural_key(r["first"]) for r in refs]
+    def __init__(self, kind: str, refs: list):
+        self._by_group = {g: (part_name(kind, i), {"sha256": h}) for i, (g, h) in enumerate(refs)}
 
-    def part_of(self, key: str) -> int:
-        """Index of the only part whose key range can hold ``key`` (the caller checks the key exists)."""
-        return max(bisect.bisect_right(self._firsts, natural_key(key)) - 1, 0)
+    def part_of(self, key: str):
+        """``(file, {"sha256"})`` of the part of ``key``; None when no part has its group."""
+        return self._by_group.get(group_of(key))
+
+    def all(self) -> list:
+        return list(self._by_group.values())

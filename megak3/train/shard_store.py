@@ -214,10 +214,7 @@ class ShardedCheckpointer:
     """
 
     def __init__(self, root, rank: int, world_size: int, keep_last: Optional[int] = None,
-                 async_save: bool = False, commit_timeout_s: float = 600.0,
-                 index_part_bytes: int = shard_index.PART_BYTES):
-        if not isinstance(index_part_bytes, int) or index_part_bytes < 1:
-            raise ValueError(f"ShardedCheckpointer index_part_bytes={index_part_bytes!r} must be an int >= 1")
+                 async_save: bool = False, commit_timeout_s: float = 600.0):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"ShardedCheckpointer world_size={world_size!r} must be an int >= 1")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -231,7 +228,6 @@ class ShardedCheckpointer:
         self.keep_last = keep_last
         self.async_save = bool(async_save)
         self.commit_timeout_s = float(commit_timeout_s)
-        self.index_part_bytes = index_part_bytes
         self.last_save_stats: dict = {}
         self._seq = 0
         self._thread: Optional[threading.Thread] = None
@@ -448,10 +444,8 @@ class ShardedCheckpointer:
         for o in obj_files:
             for k in o["keys"]:
                 object_map.setdefault(k, o["file"])
-        blobs, tensor_refs = shard_index.build("index", keys, rank_files, lambda e: {c["file"] for c in e["chunks"]},
-                                               self.index_part_bytes)
-        oblobs, object_refs = shard_index.build("objects", object_map, rank_files, lambda f: (f,),
-                                                self.index_part_bytes)
+        blobs, tensor_refs = shard_index.build("index", keys, rank_files, lambda e: {c["file"] for c in e["chunks"]})
+        oblobs, object_refs = shard_index.build("objects", object_map, rank_files, lambda f: (f,))
         blobs.update(oblobs)
         for name, data in blobs.items():  # sha256 in the top-level index; size in the manifest
             files[name] = {"bytes": _write_bytes_durably(staging / name, data)["bytes"]}
@@ -563,9 +557,9 @@ class CheckpointReader:
             raise CheckpointError(f"checkpoint {self.path}: index.json has index_version="
                                   f"{index.get('index_version')!r}; this code reads {shard_index.INDEX_VERSION}")
         self._key_set = set(shard_index.front_decode(index["keys"]))
-        self._parts = shard_index.PartLookup(index["parts"])
+        self._parts = shard_index.PartLookup("index", index["parts"])
         self._object_key_set = set(shard_index.front_decode(index["object_keys"]))
-        self._object_parts = shard_index.PartLookup(index["object_parts"])
+        self._object_parts = shard_index.PartLookup("objects", index["object_parts"])
         self._object_map: dict = {}   # object key -> the lowest rank's file holding it, parts read so far
 
     def _read_verified(self, name: str, entry: Optional[dict] = None) -> bytes:
@@ -583,10 +577,16 @@ class CheckpointReader:
         """``name`` verified (see :meth:`_read_verified`), then loaded with :func:`checkpoint.safe_load`."""
         return ckpt.safe_load(self._read_verified(name, entry), self.path / name)
 
-    def _read_part(self, ref: dict) -> dict:
-        """An index part, verified against its top-level entry; records the files it lists."""
-        body = json.loads(self._read_verified(ref["file"], ref))
-        self._loaded.add(ref["file"])
+    def _read_part(self, ref) -> dict:
+        """The entries of an index part ``ref = (file, {"sha256"})`` not read yet (else {}), verified
+        against the top-level index; records the files it lists."""
+        name, entry = ref
+        if name in self._loaded:
+            return {}
+        if name not in self._files:
+            raise CheckpointError(f"checkpoint {self.path}: manifest does not list {name}")
+        body = json.loads(self._read_verified(name, entry))
+        self._loaded.add(name)
         self._sizes.update(body["files"])
         return body["entries"]
 
@@ -613,14 +613,14 @@ class CheckpointReader:
             return info
         if key not in self._key_set:
             raise CheckpointError(f"checkpoint {self.path} holds no tensor {key!r}")
-        ref = self._parts.refs[self._parts.part_of(key)]
-        if ref["file"] not in self._loaded:
-            self._add_keys(self._read_part(ref), ref["file"])
+        ref = self._parts.part_of(key)
+        if ref is not None:
+            self._add_keys(self._read_part(ref), ref[0])
         try:
             return self._keys[key]
         except KeyError:
-            raise CheckpointError(f"checkpoint {self.path}: {key!r} is listed in index.json but not in its part "
-                                  f"{ref['file']} (corrupt index)") from None
+            raise CheckpointError(f"checkpoint {self.path}: {key!r} is listed in index.json but in no index part "
+                                  "(corrupt index)") from None
 
     def global_shape(self, key) -> tuple:
         return self._info(key).global_shape
@@ -643,15 +643,15 @@ class CheckpointReader:
             return self._objects_single_index(keys)
         want = set(self._object_key_set if keys is None else keys) & self._object_key_set
         for k in want:
-            ref = self._object_parts.refs[self._object_parts.part_of(k)]
-            if ref["file"] not in self._loaded:
+            ref = self._object_parts.part_of(k)
+            if ref is not None:
                 self._object_map.update(self._read_part(ref))
         by_file: dict = {}  # the lowest rank's file per key
         for k in want:
             name = self._object_map.get(k)
             if name is None:
-                raise CheckpointError(f"checkpoint {self.path}: object key {k!r} is listed in index.json but not "
-                                      "in its part (corrupt index)")
+                raise CheckpointError(f"checkpoint {self.path}: object key {k!r} is listed in index.json but in "
+                                      "no index part (corrupt index)")
             by_file.setdefault(name, []).append(k)
         out: dict = {}
         for name in sorted(by_file):
@@ -695,12 +695,10 @@ class CheckpointReader:
         and every objects file's sha256 (every rank's files: O(world) work, for tools, not resuming).
         Raises CheckpointError naming the first problem."""
         if self._parts is not None:
-            for ref in self._parts.refs:
-                if ref["file"] not in self._loaded:
-                    self._add_keys(self._read_part(ref), ref["file"])
-            for ref in self._object_parts.refs:
-                if ref["file"] not in self._loaded:
-                    self._object_map.update(self._read_part(ref))
+            for ref in self._parts.all():
+                self._add_keys(self._read_part(ref), ref[0])
+            for ref in self._object_parts.all():
+                self._object_map.update(self._read_part(ref))
         for name, entry in sorted(self._sizes.items()):
             fpath = self.path / name
             size = fpath.stat().st_size if fpath.is_file() else None

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from typing import Iterable
 
 INDEX_VERSION = 2
 _DIGITS = re.compile(r"(\d+)")
+_DTYPE_OF_SIZE = {1: "uint8", 2: "bfloat16", 4: "float32", 8: "float64"}  # for size estimates
 
 
 def natural_key(key: str) -> tuple:
@@ -106,3 +108,62 @@ class PartLookup:
 
     def all(self) -> list:
         return list(self._by_group.values())
+
+
+def optimizer_state_names(optimizer: str) -> tuple:
+    """The tensor state a param's optimizer saves (``optim/NAME/STATE`` keys): Muon's momentum, AdamW's
+    two moments (AdamW's 0-dim ``step`` travels as an object)."""
+    return ("momentum_buffer",) if optimizer == "muon" else ("exp_avg", "exp_avg_sq")
+
+
+def read_bytes(all_keys: Iterable[str], read: dict, world_size: int, object_keys: Iterable[str] = ()) -> dict:
+    """The metadata bytes a reader of the keys in ``read`` reads: the manifest (without the run's
+    ``meta``), the top-level ``index.json`` and the tensor parts of their groups, laid out as
+    :func:`build` writes them. ``all_keys``: every tensor key of the checkpoint; ``read``: key ->
+    ``(global_shape, itemsize, n_chunks)`` for every key of each group read (``n_chunks`` pieces of the
+    global tensor, split along dim 0); ``object_keys``: every object key (listed in ``index.json``). Chunk fields whose values the layout does not fix count at
+    their widest: byte offsets, crc32s and file sizes as 10 digits. The distinct files a part names:
+    the most chunks of one key for ``model/`` parts (the savers of a layer's shards), the sum of its
+    keys' chunks (at most ``world_size``) for optimizer parts (ZeRO-1 owners). Object parts and
+    pickled files are not counted. Returns ``{"manifest", "index", "parts", "n_parts", "total"}``."""
+    all_keys = natural_sorted(set(all_keys))
+    groups = split_parts(all_keys)
+    wide = 10 ** 9
+    parts_bytes, sizes = 0, []
+    by_group = {group_of(ks[0]): ks for ks in groups}
+    for g in sorted({group_of(k) for k in read}, key=natural_key):
+        entries, n_files = {}, 0
+        for k in by_group[g]:
+            gshape, itemsize, n = read[k]
+            gshape = [int(s) for s in gshape]
+            d0 = gshape[0] // n if gshape else 0
+            nbytes = math.prod(gshape) * itemsize // max(n, 1)
+            chunks = [{"byte_offset": wide, "crc32": wide, "file": "shard_00000.bin", "nbytes": nbytes,
+                       "offsets": [i * d0] + [0] * (len(gshape) - 1), "shape": [d0] + gshape[1:]}
+                      for i in range(n)] if gshape else \
+                [{"byte_offset": wide, "crc32": wide, "file": "shard_00000.bin", "nbytes": itemsize,
+                  "offsets": [], "shape": []}]
+            entries[k] = {"chunks": chunks, "dtype": _DTYPE_OF_SIZE.get(itemsize, "float32"), "global_shape": gshape}
+            n_files = max(n_files, n) if k.startswith("model/") else n_files + n
+        n_files = max(1, min(n_files, world_size))
+        files = {f"shard_{i:05d}.bin": {"bytes": wide} for i in range(n_files)}
+        body = {"format": INDEX_VERSION, "entries": entries, "files": files}
+        size = len(json.dumps(body, sort_keys=True).encode())
+        parts_bytes += size
+        sizes.append(size)
+    sha = "0" * 64
+    okeys = natural_sorted(set(object_keys))
+    ogroups = split_parts(okeys)
+    index = {"format": "megak3.shards.v1", "index_version": INDEX_VERSION, "step": wide, "world_size": world_size,
+             "keys": front_code(all_keys), "parts": [[group_of(ks[0]), sha] for ks in groups],
+             "object_keys": front_code(okeys), "object_parts": [[group_of(ks[0]), sha] for ks in ogroups]}
+    index_bytes = len(json.dumps(index, sort_keys=True).encode())
+    files = {part_name("index", i): {"bytes": wide} for i in range(len(groups))}
+    files.update({part_name("objects", i): {"bytes": wide} for i in range(len(ogroups))})
+    files["index.json"] = files["state.pt"] = {"bytes": wide, "sha256": sha}
+    manifest = {"format_version": 2, "format": "megak3.shards.v1", "step": wide, "files": files, "meta": {},
+                "created_unix": 1.7e9 + 0.123456}
+    manifest_bytes = len(json.dumps(manifest, indent=1, sort_keys=True))
+    return {"manifest": manifest_bytes, "index": index_bytes, "parts": parts_bytes, "n_parts": len(sizes),
+            "total": manifest_bytes + index_bytes + parts_bytes}
+

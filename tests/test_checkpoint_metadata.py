@@ -151,3 +151,23 @@ def test_metadata_read_per_rank_is_constant_in_the_world_size(tmp_path):
     print(f"metadata bytes read by one rank: parts {got}, single index {single}")
     assert abs(got[8] - got[1]) <= 0.02 * got[1], got
     assert single[8] - single[1] > max(got[8] - got[1], 0), (single, got)
+
+
+def test_read_bytes_estimate_bounds_a_real_checkpoint(tmp_path):
+    """shard_index.read_bytes (the planner's and tools/simulate_scale.py's figure) against what a
+    reader of one stage really reads (manifest + index.json + its parts): never below, at most 10%
+    above (offsets and crc32s count at 10 digits)."""
+    from megak3.train.shard_index import read_bytes
+
+    full = _model()
+    _save(tmp_path, full, pp=2, tp=2, dp=2)
+    path = ckpt.find_latest(tmp_path)
+    read = {}
+    for k in _stage_keys(full, 1, 2):
+        x = full[k]
+        read[k] = (tuple(x.shape), x.element_size(), 1 if "norm" in k else 2)
+    objects = [f"optim_meta/{k.split('/')[1]}" for k in full if k.startswith("optim/")]
+    est = read_bytes(full, read, 8, objects)
+    real = _load_stage(path, full, 1, 2, 0, 2, objects=False) - (path / ckpt.STATE_FILE).stat().st_size
+    print(f"metadata read by a stage: real {real} B, estimate {est}")
+    assert real <= est["total"] <= 1.1 * real, (real, est)

@@ -18,7 +18,8 @@ pruning it shares)::
         shard_00000.bin            rank 0's tensor bytes: each entry's C-contiguous bytes back to back
                                    in sorted key order, no padding (absent when the rank has no entries)
         shard_00000.obj.pt         torch.save of rank 0's ``objects`` (absent when it has none)
-        shard_00000.json           rank 0's marker, written LAST by that rank (temp file + os.replace):
+        shard_00000.json           rank 0's marker, written LAST by that rank (temp file + os.replace),
+                                   folded into the index parts and removed at the commit:
                                    {"format", "rank", "world_size", "step", "seq",
                                     "bin": {"file", "bytes"} | null,
                                     "objects": {"file", "keys", "bytes", "sha256"} | null,
@@ -26,15 +27,23 @@ pruning it shares)::
                                                       "byte_offset", "nbytes", "crc32"}}}
         shard_00001.* ...          the same for every rank
         state.pt                   torch.save of ``common`` (rank 0)
-        index.json                 {"format", "step", "world_size",
-                                    "objects": [{"file", "keys"} by rank] (a reader asking for some
-                                    keys opens only the files that hold them),
-                                    "keys": {key: {"global_shape", "dtype",
-                                                   "chunks": [{"file", "byte_offset", "nbytes",
-                                                               "offsets", "shape", "crc32"}]}}}
+        index_00000.json ...       tensor index parts (:mod:`.shard_index`), one per key group (a decoder
+                                   layer's ``model/layers.N`` keys, ``optim/layers.N``, a top-level
+                                   module): {"format", "entries": {key: {"global_shape", "dtype",
+                                   "chunks": [{"file", "byte_offset", "nbytes", "offsets", "shape",
+                                   "crc32"}]}}, "files": {payload file: {"bytes"}}}
+        objects_00000.json ...     object index parts: {"format", "entries": {object key: the lowest
+                                   rank's file holding it}, "files": {file: {"bytes", "sha256"}}}
+        index.json                 {"format", "index_version": 2, "step", "world_size",
+                                    "keys" / "object_keys": every key, natural order, front-coded,
+                                    "parts" / "object_parts": [[group, sha256]] (part i: file
+                                    index_0000i.json / objects_0000i.json)}
         manifest.json              checkpoint.py's manifest: "format_version": 2,
                                    "format": "megak3.shards.v1", "step", "meta", "created_unix",
-                                   "files": {name: {"bytes", "sha256"}}; the .bin files have "bytes" only
+                                   "files": {name: {"bytes"[, "sha256"]}} for state.pt, index.json
+                                   (with sha256) and the parts (bytes; their sha256 is in index.json).
+                                   The per-rank files are listed in the parts that name them, not
+                                   here: no file a reader must read grows with the world size
       latest                       "step_00000100", replaced LAST
 
 ``dtype`` is the torch dtype's name (``"float32"``, ``"bfloat16"``, ...); the bytes are the tensor's
@@ -45,10 +54,10 @@ at the same step (same staging dir) is not mistaken for the current one.
 
 Commit protocol (no torch.distributed collective anywhere): each rank writes its ``.bin`` and
 ``.obj.pt``, fsyncs them, then atomically publishes its marker. Rank 0 also writes ``state.pt``,
-polls the staging dir until every rank's marker is there (up to ``commit_timeout_s``), builds
-``index.json`` from the markers (checking that every key has one dtype and global shape and that its
-boxes are disjoint or identical, and that each ``.bin`` has the size its marker states), writes the
-manifest, fsyncs, renames the staging dir to ``step_XXXXXXXX`` and replaces ``latest`` (both via
+polls the staging dir until every rank's marker is there (up to ``commit_timeout_s``), builds the
+index parts and ``index.json`` from the markers (checking that every key has one dtype and global
+shape and that its boxes are disjoint or identical, and that each ``.bin`` has the size its marker
+states), removes the markers, writes the manifest, fsyncs, renames the staging dir to ``step_XXXXXXXX`` and replaces ``latest`` (both via
 :mod:`megak3.train.checkpoint`), then prunes to ``keep_last``. A crash or timeout at any point leaves
 ``latest`` naming the previous checkpoint.
 
@@ -62,8 +71,11 @@ it with ``os.preadv`` into the destination (or a bounded temporary when the dest
 contiguous), one read per contiguous run of the chunk inside the box (maximal runs: the trailing
 dims the box spans fully are merged). Only bytes inside the box are read. The crc32 of a chunk is
 verified whenever the box covers the whole chunk; partial reads of a chunk are not verified (their
-sizes are, via the manifest). ``state.pt`` and ``index.json`` are verified against their manifest
-sha256 when the reader opens the checkpoint.
+sizes are, via the index parts, when a file is first opened). ``state.pt`` and ``index.json`` are
+verified against their manifest sha256 when the reader opens the checkpoint, an index part against
+the sha256 in ``index.json`` when a key of its group is first asked for: a rank reads the metadata
+of its own keys, not every key's. A checkpoint whose ``index.json`` holds every key's chunks (the
+format before parts) is read whole.
 """
 from __future__ import annotations
 

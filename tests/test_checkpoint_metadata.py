@@ -6,9 +6,11 @@ import hashlib
 import json
 import shutil
 
+import pytest
 import torch
 
 from megak3.train import checkpoint as ckpt
+from megak3.train.checkpoint import CheckpointError
 from megak3.train.shard_index import front_decode, natural_sorted
 from megak3.train.shard_store import CheckpointReader, ShardedCheckpointer, ShardEntry
 
@@ -171,3 +173,24 @@ def test_read_bytes_estimate_bounds_a_real_checkpoint(tmp_path):
     real = _load_stage(path, full, 1, 2, 0, 2, objects=False) - (path / ckpt.STATE_FILE).stat().st_size
     print(f"metadata read by a stage: real {real} B, estimate {est}")
     assert real <= est["total"] <= 1.1 * real, (real, est)
+
+
+def test_corrupt_index_part_is_refused_when_its_group_is_read(tmp_path):
+    """A part is checked against the sha256 in index.json when a key of its group is first asked for;
+    the other groups still read. validate_checkpoint checks the parts' sizes (manifest), not hashes."""
+    full = _model()
+    _save(tmp_path, full, pp=2, tp=2, dp=1)
+    path = ckpt.find_latest(tmp_path)
+    index = json.loads((path / "index.json").read_text())
+    i = [g for g, _ in index["parts"]].index("model/layers.3")
+    part = path / f"index_{i:05d}.json"
+    part.write_text(part.read_text().replace('"crc32": ', '"crc32": 1', 1))  # another crc32; size fixed below
+    manifest = json.loads((path / ckpt.MANIFEST_NAME).read_text())
+    manifest["files"][part.name]["bytes"] = part.stat().st_size
+    (path / ckpt.MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert ckpt.validate_checkpoint(path) == (True, "ok")
+    with CheckpointReader(path) as r:
+        x = full["model/layers.4.attn.w"]
+        assert torch.equal(r.read("model/layers.4.attn.w", (0, 0), tuple(x.shape)), x)
+        with pytest.raises(CheckpointError, match=f"index_{i:05d}.json fails its sha256 check"):
+            r.read("model/layers.3.attn.w", (0, 0), (8, 6))

@@ -6,15 +6,16 @@
     python tools/simulate_scale.py model=k3_mini world_size=16 parallel.tp=2 parallel.pp=2 parallel.ep=4 \\
         --materialize --ranks 0                                                 # real shards, peak RSS
 
-For a sample of ranks (the first, a middle and the last pipeline stage, each at data-parallel
-rank 0, so they are checkpoint savers) this process joins torch's ``fake`` process group as that
-rank of ``world_size``, builds the model on the meta device, runs the trainer's own
-``parallel.parallelize.parallelize`` and reads, from the resulting plan and the ZeRO-1 ownership
-the trainer's optimizer would derive: parameters (count, bytes), gradient buffers, optimizer state
-the checkpoint bytes the rank writes and the checkpoint metadata bytes it reads to resume ("meta
-MB": manifest, index.json and the index parts of its stage's keys, megak3.train.shard_index.read_bytes
-over the keys of the full model and the chunk counts of the rank's plan). The planner (``megak3.launch.planner.per_rank_figures``)
-gives the same figures analytically; any that differ by more than 1% make the exit status 1.
+For a sample of ranks (the first, a middle and the last pipeline stage, each at data-parallel rank
+0, so they are checkpoint savers) this process joins torch's ``fake`` process group as that rank of
+``world_size``, builds the model on the meta device, runs the trainer's own
+``parallel.parallelize.parallelize`` and reads, from the resulting plan and the ZeRO-1 ownership the
+trainer's optimizer would derive: parameters (count, bytes), gradient buffers, optimizer state, the
+checkpoint bytes the rank writes and the checkpoint metadata bytes it reads to resume ("meta MB":
+manifest, index.json and the index parts of its stage's keys, megak3.train.shard_index.read_bytes
+over the keys of the full model and the chunk counts of the rank's plan). The planner
+(``megak3.launch.planner.per_rank_figures``) gives the same figures analytically; any that differ by
+more than 1% make the exit status 1.
 
 ``--materialize`` also allocates and initialises the rank's real shards on the CPU
 (``parallel.materialize.materialize``) and prints the resident-memory growth while building,
@@ -246,7 +247,8 @@ def main(argv=None) -> int:
         print(f"{cfg.name} on {pc.world_size} ranks: tp={pc.tp} pp={pc.pp} ep={pc.ep} dp={pc.dp} (edp={pc.edp}), "
               f"fake process group, meta device")
         print(f"{'rank':>6} {'stage':>5} {'layers':>12} {'params':>14} {'param GiB':>10} {'grad GiB':>9} "
-              f"{'optim GiB':>10} {'ckpt GiB':>9} {'meta MB':>8}   planner (same columns)                       max diff")
+              f"{'optim GiB':>10} {'ckpt GiB':>9} {'meta MB':>8}   planner (same columns)"
+              f"                       max diff")
         for res in results:
             s, p = res["sim"], res["planner"]
             lay = ",".join(f"{a}-{b - 1}" for a, b in s["layers"])

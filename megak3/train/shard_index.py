@@ -1,18 +1,19 @@
-"""The key index of a per-shard checkpoint, split into parts by key range (used by :mod:`.shard_store`).
+"""The key index of a per-shard checkpoint, split into parts by key group (used by :mod:`.shard_store`).
 
 Writing (rank 0, at commit): every key's entry (global shape, dtype, chunk list) goes to one *tensor
 part* file ``index_NNNNN.json``; keys are sorted naturally (digit runs compare as numbers, so
-``layers.2`` < ``layers.10`` and a pipeline stage's layers are one contiguous range) and cut into
-parts by :func:`group_of` (one part per decoder layer, per top-level module otherwise). Object keys (the per-rank ``objects``
-dicts) map to the files that hold them in *object parts* ``objects_NNNNN.json`` the same way. A part
-also lists the data files its entries name with their sizes (and, for object files, sha256), so the
-per-rank files appear in no file whose size grows with the world size.
+``layers.2`` < ``layers.10`` and a pipeline stage's layers are one contiguous range) and grouped into
+parts by :func:`group_of` (one part per decoder layer, per top-level module otherwise). Object keys
+(the per-rank ``objects`` dicts) map to the lowest rank's file holding each in *object parts*
+``objects_NNNNN.json`` the same way. A part also lists the data files its entries name with their
+sizes (and, for object files, sha256), so the per-rank files appear in no file whose size grows with
+the world size.
 
 The top-level ``index.json`` holds the sorted key lists front-coded (``[[shared_prefix_len, suffix],
 ...]``) and, per part, its group and sha256 (its size is in the manifest; part i of a kind is file
-``KIND_0000i.json``). A reader reads it (verified by
-the manifest's sha256), then a part only when a key in its range is first asked for, verified by the
-sha256 in the top-level index: a hash tree rooted in the manifest.
+``KIND_0000i.json``). A reader reads it (verified by the manifest's sha256), then a part only when a
+key of its group is first asked for, verified by the sha256 in the top-level index: a hash tree
+rooted in the manifest.
 """
 from __future__ import annotations
 
@@ -78,8 +79,8 @@ def split_parts(keys: Iterable[str]) -> list:
 def build(kind: str, entries: dict, file_info: dict, files_of) -> tuple:
     """Part files of one kind (``"index"`` or ``"objects"``): returns ``(blobs, refs)`` where ``blobs``
     maps file name (:func:`part_name`) -> bytes and ``refs`` is the top-level list ``[[group,
-    sha256]]``, part i in file ``part_name(kind, i)``. ``files_of(value)`` names the data files an entry uses; each part lists those
-    files' ``file_info`` entries."""
+    sha256]]``, part i in file ``part_name(kind, i)``. ``files_of(value)`` names the data files an entry
+    uses; each part lists those files' ``file_info`` entries."""
     blobs, refs = {}, []
     for i, keys in enumerate(split_parts(entries)):
         used = sorted({f for k in keys for f in files_of(entries[k])})
@@ -121,11 +122,12 @@ def read_bytes(all_keys: Iterable[str], read: dict, world_size: int, object_keys
     ``meta``), the top-level ``index.json`` and the tensor parts of their groups, laid out as
     :func:`build` writes them. ``all_keys``: every tensor key of the checkpoint; ``read``: key ->
     ``(global_shape, itemsize, n_chunks)`` for every key of each group read (``n_chunks`` pieces of the
-    global tensor, split along dim 0); ``object_keys``: every object key (listed in ``index.json``). Chunk fields whose values the layout does not fix count at
-    their widest: byte offsets, crc32s and file sizes as 10 digits. The distinct files a part names:
-    the most chunks of one key for ``model/`` parts (the savers of a layer's shards), the sum of its
-    keys' chunks (at most ``world_size``) for optimizer parts (ZeRO-1 owners). Object parts and
-    pickled files are not counted. Returns ``{"manifest", "index", "parts", "n_parts", "total"}``."""
+    global tensor, split along dim 0); ``object_keys``: every object key (listed in ``index.json``).
+    Chunk fields whose values the layout does not fix count at their widest: byte offsets, crc32s and
+    file sizes as 10 digits. The distinct files a part names: the most chunks of one key for ``model/``
+    parts (the savers of a layer's shards), the sum of its keys' chunks (at most ``world_size``) for
+    optimizer parts (ZeRO-1 owners). Object parts and pickled files are not counted. Returns
+    ``{"manifest", "index", "parts", "n_parts", "total"}``."""
     all_keys = natural_sorted(set(all_keys))
     groups = split_parts(all_keys)
     wide = 10 ** 9

@@ -57,9 +57,9 @@ Commit protocol (no torch.distributed collective anywhere): each rank writes its
 polls the staging dir until every rank's marker is there (up to ``commit_timeout_s``), builds the
 index parts and ``index.json`` from the markers (checking that every key has one dtype and global
 shape and that its boxes are disjoint or identical, and that each ``.bin`` has the size its marker
-states), removes the markers, writes the manifest, fsyncs, renames the staging dir to ``step_XXXXXXXX`` and replaces ``latest`` (both via
-:mod:`megak3.train.checkpoint`), then prunes to ``keep_last``. A crash or timeout at any point leaves
-``latest`` naming the previous checkpoint.
+states), removes the markers, writes the manifest, fsyncs, renames the staging dir to
+``step_XXXXXXXX`` and replaces ``latest`` (both via :mod:`megak3.train.checkpoint`), then prunes to
+``keep_last``. A crash or timeout at any point leaves ``latest`` naming the previous checkpoint.
 
 Stale staging dirs: rank 0 removes every leftover ``.tmp-*`` / ``.old-*`` entry under ``root`` when
 the checkpointer is constructed (construct it on every rank before the ranks' first collective so no

@@ -473,7 +473,8 @@ def test_export_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, cap
         assert rc == 2 and err.count("\n") == 1 and needle in err, (argv, err)
         assert not out.exists() and not (tmp_path / "out.tmp").exists()
     # a failure in the middle (lm_head, written last, fails its crc32) leaves neither OUT_DIR nor OUT_DIR.tmp
-    chunk = json.loads((ckpt / "index.json").read_text())["keys"]["model/lm_head.weight"]["chunks"][0]
+    with CheckpointReader(ckpt) as reader:
+        chunk = reader.chunks("model/lm_head.weight")[0]
     with open(ckpt / chunk["file"], "r+b") as f:
         f.seek(chunk["byte_offset"] + 100)
         f.write(b"\x7f\x7f\x7f\x7f")

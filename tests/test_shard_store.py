@@ -167,9 +167,19 @@ def test_failed_commit_keeps_latest_and_corruption_is_caught(tmp_path):
         r.read("model/a", (0, 0), (8, 5))
     assert not torch.equal(r.read("model/a", (4, 0), (1, 5)), b[4:5])  # partial reads are not verified
     r.close()
-    # truncation: the checkpoint no longer validates; find_latest falls back
+    # a truncated payload file (listed in its index part, not in the manifest, which would grow with
+    # the world size) is refused by the reader when it opens the file, and by verify()
     bin0 = newest / "shard_00000.bin"
     bin0.write_bytes(bin0.read_bytes()[:-4])
+    r = CheckpointReader(newest)
+    with pytest.raises(CheckpointError, match="shard_00000.bin has 76 bytes, the index says 80 .truncated"):
+        r.read("model/a", (0, 0), (1, 5))
+    with pytest.raises(CheckpointError, match="truncated"):
+        r.verify()
+    r.close()
+    # truncation of a manifest-listed file: the checkpoint no longer validates; find_latest falls back
+    part = newest / "index_00000.json"
+    part.write_bytes(part.read_bytes()[:-4])
     ok, why = validate_checkpoint(newest)
     assert not ok and "truncated" in why
     with pytest.warns(CheckpointWarning, match="step_00000030"):
@@ -340,5 +350,6 @@ def test_objects_by_key_read_only_the_files_that_hold_them(tmp_path):
     base = one.meta_bytes_read
     assert one.objects(["only_2"]) == {"only_2": 2}
     obj_bytes = (tmp_path / "step_00000002" / "shard_00002.obj.pt").stat().st_size
-    assert one.meta_bytes_read - base == obj_bytes  # rank 2's file only
+    part_bytes = (tmp_path / "step_00000002" / "objects_00000.json").stat().st_size
+    assert one.meta_bytes_read - base == part_bytes + obj_bytes  # the key's index part + rank 2's file only
     assert one.objects(["shared", "missing"]) == {"shared": 0}

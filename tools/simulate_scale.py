@@ -6,13 +6,16 @@
     python tools/simulate_scale.py model=k3_mini world_size=16 parallel.tp=2 parallel.pp=2 parallel.ep=4 \\
         --materialize --ranks 0                                                 # real shards, peak RSS
 
-For a sample of ranks (the first, a middle and the last pipeline stage, each at data-parallel
-rank 0, so they are checkpoint savers) this process joins torch's ``fake`` process group as that
-rank of ``world_size``, builds the model on the meta device, runs the trainer's own
-``parallel.parallelize.parallelize`` and reads, from the resulting plan and the ZeRO-1 ownership
-the trainer's optimizer would derive: parameters (count, bytes), gradient buffers, optimizer state
-and the checkpoint bytes the rank writes. The planner (``megak3.launch.planner.per_rank_figures``)
-gives the same figures analytically; any that differ by more than 1% make the exit status 1.
+For a sample of ranks (the first, a middle and the last pipeline stage, each at data-parallel rank
+0, so they are checkpoint savers) this process joins torch's ``fake`` process group as that rank of
+``world_size``, builds the model on the meta device, runs the trainer's own
+``parallel.parallelize.parallelize`` and reads, from the resulting plan and the ZeRO-1 ownership the
+trainer's optimizer would derive: parameters (count, bytes), gradient buffers, optimizer state, the
+checkpoint bytes the rank writes and the checkpoint metadata bytes it reads to resume ("meta MB":
+manifest, index.json and the index parts of its stage's keys, megak3.train.shard_index.read_bytes
+over the keys of the full model and the chunk counts of the rank's plan). The planner
+(``megak3.launch.planner.per_rank_figures``) gives the same figures analytically; any that differ by
+more than 1% make the exit status 1.
 
 ``--materialize`` also allocates and initialises the rank's real shards on the CPU
 (``parallel.materialize.materialize``) and prints the resident-memory growth while building,
@@ -33,7 +36,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GiB = 2 ** 30
-FIGURES = ("params", "param_bytes", "grad_bytes", "optimizer_state_bytes", "checkpoint_bytes")
+FIGURES = ("params", "param_bytes", "grad_bytes", "optimizer_state_bytes", "checkpoint_bytes",
+           "checkpoint_meta_read_bytes")
 
 
 def _plan_tool():
@@ -85,6 +89,38 @@ def zero1_owned(model, optim_cfg, plan) -> list:
     return owned
 
 
+_ALL_KEYS: dict = {}
+
+
+def checkpoint_meta_read(cfg, model, optim_cfg, plan, esize: dict, world: int) -> int:
+    """Metadata bytes this rank reads to resume (megak3.train.shard_index.read_bytes): the manifest,
+    index.json (every key of the whole model, from a separate full meta-device build) and the index
+    parts of its stage's model and optimizer keys, with each key's chunk count from the rank's plan
+    (global / local extent per dim)."""
+    import math
+
+    from megak3.model.k3 import build_model
+    from megak3.optim import build_optimizer
+    from megak3.train import shard_index
+
+    if cfg.name not in _ALL_KEYS:  # the checkpoint's keys: every param and persistent buffer
+        full = build_model(cfg, device="meta")
+        opt = {s.name.replace(".inner.", "."): s.optimizer for s in build_optimizer(full, optim_cfg).specs}
+        keys = [f"model/{n.replace('.inner.', '.')}" for n in full.state_dict()]
+        keys += [f"optim/{n}/{st}" for n, o in opt.items() for st in shard_index.optimizer_state_names(o)]
+        _ALL_KEYS[cfg.name] = (keys, [f"optim_meta/{n}" for n in opt])
+    keys, object_keys = _ALL_KEYS[cfg.name]
+    opt = {s.name.replace(".inner.", "."): s.optimizer for s in build_optimizer(model, optim_cfg).specs}
+    read = {}
+    for n, sh in plan.tensors.items():
+        chunks = math.prod(g // max(l, 1) for g, l in zip(sh.global_shape, sh.local_shape))
+        read[f"model/{n}"] = (sh.global_shape, esize[n], chunks)
+        if n in opt:
+            for st in shard_index.optimizer_state_names(opt[n]):
+                read[f"optim/{n}/{st}"] = (sh.global_shape, 4, chunks)
+    return shard_index.read_bytes(keys, read, world, object_keys)["total"]
+
+
 def measure_rank(cfg, pcfg, moonep_cfg, optim_cfg, world: int, rank: int, materialize_it: bool) -> dict:
     """Build, parallelize (and optionally materialise) one rank under the fake process group."""
     import torch
@@ -108,13 +144,15 @@ def measure_rank(cfg, pcfg, moonep_cfg, optim_cfg, world: int, rank: int, materi
         esize.update({n.replace(".inner.", "."): b.element_size() for n, b in model.named_buffers()})
         param_bytes = sum(s.numel * esize[n] for n, s in params.items())
         owned = zero1_owned(model, optim_cfg, plan)
+        meta_read = checkpoint_meta_read(cfg, model, optim_cfg, plan, esize, world)
         state_bytes = sum((4 if s.optimizer == "muon" else 8) * s.param.numel() for s in owned)
         saved_model = sum(s.numel * esize[n] for n, s in plan.tensors.items() if plan.is_saver(n))
         out = {"rank": rank, "coords": {"tp": ps.tp_rank, "pp": ps.pp_rank, "ep": ps.ep_rank, "dp": ps.dp_rank},
                "stage": ps.pp_rank, "layers": [[c.start, c.stop] for c in plan.stage_chunks],
                "params": sum(s.numel for s in params.values()), "param_bytes": param_bytes,
                "grad_bytes": param_bytes, "optimizer_state_bytes": state_bytes,
-               "checkpoint_bytes": saved_model + state_bytes, "build_s": round(time.perf_counter() - t0, 2)}
+               "checkpoint_bytes": saved_model + state_bytes, "checkpoint_meta_read_bytes": meta_read,
+               "build_s": round(time.perf_counter() - t0, 2)}
         if materialize_it:
             torch.set_num_threads(1)
             before = rss_bytes()
@@ -209,15 +247,18 @@ def main(argv=None) -> int:
         print(f"{cfg.name} on {pc.world_size} ranks: tp={pc.tp} pp={pc.pp} ep={pc.ep} dp={pc.dp} (edp={pc.edp}), "
               f"fake process group, meta device")
         print(f"{'rank':>6} {'stage':>5} {'layers':>12} {'params':>14} {'param GiB':>10} {'grad GiB':>9} "
-              f"{'optim GiB':>10} {'ckpt GiB':>9}   planner (same columns)                 max diff")
+              f"{'optim GiB':>10} {'ckpt GiB':>9} {'meta MB':>8}   planner (same columns)"
+              f"                       max diff")
         for res in results:
             s, p = res["sim"], res["planner"]
             lay = ",".join(f"{a}-{b - 1}" for a, b in s["layers"])
-            pl = " ".join("-" if p[k] is None else (f"{p[k] / 1e9:.3f}B" if k == "params" else f"{p[k] / GiB:.2f}")
-                          for k in FIGURES)
+            pl = " ".join("-" if p[k] is None else (f"{p[k] / 1e9:.3f}B" if k == "params" else
+                                                    f"{p[k] / 1e6:.3f}" if k == "checkpoint_meta_read_bytes" else
+                                                    f"{p[k] / GiB:.2f}") for k in FIGURES)
             print(f"{s['rank']:>6} {s['stage']:>5} {lay:>12} {s['params']:>14,} {s['param_bytes'] / GiB:>10.2f} "
                   f"{s['grad_bytes'] / GiB:>9.2f} {s['optimizer_state_bytes'] / GiB:>10.2f} "
-                  f"{s['checkpoint_bytes'] / GiB:>9.2f}   {pl:<38} {max(res['rel_diff'].values(), default=0):.2%}")
+                  f"{s['checkpoint_bytes'] / GiB:>9.2f} {s['checkpoint_meta_read_bytes'] / 1e6:>8.3f}   {pl:<44} "
+                  f"{max(res['rel_diff'].values(), default=0):.2%}")
             if "materialize" in s:
                 m = s["materialize"]
                 print(f"       materialised: shard {m['shard_bytes'] / 2 ** 20:.1f} MiB, RSS growth while building "

@@ -700,6 +700,7 @@ def per_rank_figures(cfg: ModelConfig, pc: PlanConfig, stage="first", rank_in_st
       checkpoint_optimizer_bytes  its owned optimizer state tensors (= optimizer_state_bytes; AdamW's
                               scalar 'step' travels as metadata)
       checkpoint_bytes        the sum: tensor bytes this rank writes per checkpoint (after the first step)
+      checkpoint_meta_read_bytes  metadata bytes it reads to resume: :func:`checkpoint_meta_read_bytes`
     With ``optim.offload=cpu`` also: optimizer_state_device_bytes (Muon's 4 B/elem) and
     :func:`offload_figures` of the owned AdamW elements (host bytes, PCIe and host-memory bytes per step).
     """
@@ -749,8 +750,48 @@ def per_rank_figures(cfg: ModelConfig, pc: PlanConfig, stage="first", rank_in_st
             "main_param_bytes": 0 if pc.param_dtype == "fp32" else 4 * (owned["muon"] + owned["adamw"]),
             "checkpoint_model_bytes": ckpt_model, "checkpoint_optimizer_bytes": state,
             "checkpoint_bytes": ckpt_model + state,
+            "checkpoint_meta_read_bytes": checkpoint_meta_read_bytes(cfg, pc, layers, first, last),
             **({"optimizer_state_device_bytes": 4 * owned["muon"],
                 **offload_figures(owned["adamw"])} if pc.offload == "cpu" else {})}
+
+
+_SHAPES: Dict[str, dict] = {}
+
+
+def checkpoint_meta_read_bytes(cfg: ModelConfig, pc: PlanConfig, layers, first: bool, last: bool) -> int:
+    """Metadata bytes a rank of the stage (``layers``, first / last) reads to resume from a per-shard
+    checkpoint (megak3.train.shard_index.read_bytes): the manifest, index.json (every key of the model)
+    and the index parts of the stage's model and optimizer keys; a key's chunks: E/ep pieces of a
+    routed expert tensor (ep > 1), tp pieces of a TP-sharded one, else one. Independent of dp, so
+    constant in the world size for fixed tp, pp and ep."""
+    from ..train import shard_index
+
+    key = _key(cfg)
+    if key not in _SHAPES:
+        import torch
+
+        from ..model.k3 import K3Model
+
+        with torch.device("meta"):
+            model = K3Model(cfg)
+        _SHAPES[key] = {n.replace(".inner.", "."): tuple(t.shape) for n, t in model.state_dict().items()}
+    shapes = _SHAPES[key]
+    pbytes = 4 if pc.param_dtype == "fp32" else 2
+    keys, object_keys, read = [f"model/{n}" for n in shapes], [], {}
+    for name, _, where, tp_sh, is_exp, opt in inventory(cfg):
+        n = name.replace(".inner.", ".")
+        states = shard_index.optimizer_state_names(opt)
+        keys += [f"optim/{n}/{st}" for st in states]
+        object_keys.append(f"optim_meta/{n}")
+        if _on_stage(where, layers, first, last):
+            chunks = pc.ep if is_exp and pc.ep > 1 else (pc.tp if tp_sh and pc.tp > 1 else 1)
+            read[f"model/{n}"] = (shapes[n], pbytes, chunks)
+            read.update({f"optim/{n}/{st}": (shapes[n], 4, chunks) for st in states})
+    for name, _, where, es in buffer_inventory(cfg):
+        if _on_stage(where, layers, first, last):
+            n = name.replace(".inner.", ".")
+            read[f"model/{n}"] = (shapes[n], es, 1)
+    return shard_index.read_bytes(keys, read, pc.world_size, object_keys)["total"]
 
 
 # ---- Quantile Balancing statistics -------------------------------------------------------------

@@ -18,7 +18,8 @@ pruning it shares)::
         shard_00000.bin            rank 0's tensor bytes: each entry's C-contiguous bytes back to back
                                    in sorted key order, no padding (absent when the rank has no entries)
         shard_00000.obj.pt         torch.save of rank 0's ``objects`` (absent when it has none)
-        shard_00000.json           rank 0's marker, written LAST by that rank (temp file + os.replace):
+        shard_00000.json           rank 0's marker, written LAST by that rank (temp file + os.replace),
+                                   folded into the index parts and removed at the commit:
                                    {"format", "rank", "world_size", "step", "seq",
                                     "bin": {"file", "bytes"} | null,
                                     "objects": {"file", "keys", "bytes", "sha256"} | null,
@@ -26,15 +27,23 @@ pruning it shares)::
                                                       "byte_offset", "nbytes", "crc32"}}}
         shard_00001.* ...          the same for every rank
         state.pt                   torch.save of ``common`` (rank 0)
-        index.json                 {"format", "step", "world_size",
-                                    "objects": [{"file", "keys"} by rank] (a reader asking for some
-                                    keys opens only the files that hold them),
-                                    "keys": {key: {"global_shape", "dtype",
-                                                   "chunks": [{"file", "byte_offset", "nbytes",
-                                                               "offsets", "shape", "crc32"}]}}}
+        index_00000.json ...       tensor index parts (:mod:`.shard_index`), one per key group (a decoder
+                                   layer's ``model/layers.N`` keys, ``optim/layers.N``, a top-level
+                                   module): {"format", "entries": {key: {"global_shape", "dtype",
+                                   "chunks": [{"file", "byte_offset", "nbytes", "offsets", "shape",
+                                   "crc32"}]}}, "files": {payload file: {"bytes"}}}
+        objects_00000.json ...     object index parts: {"format", "entries": {object key: the lowest
+                                   rank's file holding it}, "files": {file: {"bytes", "sha256"}}}
+        index.json                 {"format", "index_version": 2, "step", "world_size",
+                                    "keys" / "object_keys": every key, natural order, front-coded,
+                                    "parts" / "object_parts": [[group, sha256]] (part i: file
+                                    index_0000i.json / objects_0000i.json)}
         manifest.json              checkpoint.py's manifest: "format_version": 2,
                                    "format": "megak3.shards.v1", "step", "meta", "created_unix",
-                                   "files": {name: {"bytes", "sha256"}}; the .bin files have "bytes" only
+                                   "files": {name: {"bytes"[, "sha256"]}} for state.pt, index.json
+                                   (with sha256) and the parts (bytes; their sha256 is in index.json).
+                                   The per-rank files are listed in the parts that name them, not
+                                   here: no file a reader must read grows with the world size
       latest                       "step_00000100", replaced LAST
 
 ``dtype`` is the torch dtype's name (``"float32"``, ``"bfloat16"``, ...); the bytes are the tensor's
@@ -45,12 +54,12 @@ at the same step (same staging dir) is not mistaken for the current one.
 
 Commit protocol (no torch.distributed collective anywhere): each rank writes its ``.bin`` and
 ``.obj.pt``, fsyncs them, then atomically publishes its marker. Rank 0 also writes ``state.pt``,
-polls the staging dir until every rank's marker is there (up to ``commit_timeout_s``), builds
-``index.json`` from the markers (checking that every key has one dtype and global shape and that its
-boxes are disjoint or identical, and that each ``.bin`` has the size its marker states), writes the
-manifest, fsyncs, renames the staging dir to ``step_XXXXXXXX`` and replaces ``latest`` (both via
-:mod:`megak3.train.checkpoint`), then prunes to ``keep_last``. A crash or timeout at any point leaves
-``latest`` naming the previous checkpoint.
+polls the staging dir until every rank's marker is there (up to ``commit_timeout_s``), builds the
+index parts and ``index.json`` from the markers (checking that every key has one dtype and global
+shape and that its boxes are disjoint or identical, and that each ``.bin`` has the size its marker
+states), removes the markers, writes the manifest, fsyncs, renames the staging dir to
+``step_XXXXXXXX`` and replaces ``latest`` (both via :mod:`megak3.train.checkpoint`), then prunes to
+``keep_last``. A crash or timeout at any point leaves ``latest`` naming the previous checkpoint.
 
 Stale staging dirs: rank 0 removes every leftover ``.tmp-*`` / ``.old-*`` entry under ``root`` when
 the checkpointer is constructed (construct it on every rank before the ranks' first collective so no
@@ -62,8 +71,11 @@ it with ``os.preadv`` into the destination (or a bounded temporary when the dest
 contiguous), one read per contiguous run of the chunk inside the box (maximal runs: the trailing
 dims the box spans fully are merged). Only bytes inside the box are read. The crc32 of a chunk is
 verified whenever the box covers the whole chunk; partial reads of a chunk are not verified (their
-sizes are, via the manifest). ``state.pt`` and ``index.json`` are verified against their manifest
-sha256 when the reader opens the checkpoint.
+sizes are, via the index parts, when a file is first opened). ``state.pt`` and ``index.json`` are
+verified against their manifest sha256 when the reader opens the checkpoint, an index part against
+the sha256 in ``index.json`` when a key of its group is first asked for: a rank reads the metadata
+of its own keys, not every key's. A checkpoint whose ``index.json`` holds every key's chunks (the
+format before parts) is read whole.
 """
 from __future__ import annotations
 
@@ -84,6 +96,7 @@ import numpy as np
 import torch
 
 from . import checkpoint as ckpt
+from . import shard_index
 from .checkpoint import CheckpointError
 
 SHARDS_FORMAT = "megak3.shards.v1"
@@ -437,16 +450,32 @@ class ShardedCheckpointer:
                                        "crc32": e["crc32"]})
         for key, info in keys.items():
             _check_disjoint(key, info["chunks"])
-        index = {"format": SHARDS_FORMAT, "step": snap.step, "world_size": self.world_size,
-                 "objects": obj_files, "keys": keys}
+        # the per-rank files go into the parts that name them, not into the manifest (O(world) entries)
+        rank_files = {n: files.pop(n) for n in list(files) if n != ckpt.STATE_FILE}
+        object_map: dict = {}  # object key -> the lowest rank's file holding it (the one a reader takes)
+        for o in obj_files:
+            for k in o["keys"]:
+                object_map.setdefault(k, o["file"])
+        blobs, tensor_refs = shard_index.build("index", keys, rank_files, lambda e: {c["file"] for c in e["chunks"]})
+        oblobs, object_refs = shard_index.build("objects", object_map, rank_files, lambda f: (f,))
+        blobs.update(oblobs)
+        for name, data in blobs.items():  # sha256 in the top-level index; size in the manifest
+            files[name] = {"bytes": _write_bytes_durably(staging / name, data)["bytes"]}
+        index = {"format": SHARDS_FORMAT, "index_version": shard_index.INDEX_VERSION, "step": snap.step,
+                 "world_size": self.world_size,
+                 "keys": shard_index.front_code(shard_index.natural_sorted(keys)), "parts": tensor_refs,
+                 "object_keys": shard_index.front_code(shard_index.natural_sorted(object_map)),
+                 "object_parts": object_refs}
         files[INDEX_NAME] = _write_bytes_durably(staging / INDEX_NAME, json.dumps(index, sort_keys=True).encode())
+        for r in range(self.world_size):  # folded into the index parts
+            (staging / _marker_name(r)).unlink()
         manifest = {"format_version": ckpt.SHARDS_FORMAT_VERSION, "format": SHARDS_FORMAT, "step": snap.step,
                     "files": files, "meta": snap.meta, "created_unix": time.time()}
         mtext = json.dumps(manifest, indent=1, sort_keys=True)
         ckpt._write_text_durably(staging / ckpt.MANIFEST_NAME, mtext)
         ckpt._fsync_dir(staging)
         ckpt._publish(self.root, staging, ckpt.step_dirname(snap.step), self.keep_last)
-        return files[ckpt.STATE_FILE]["bytes"] + files[INDEX_NAME]["bytes"] + len(mtext)
+        return sum(f["bytes"] for f in files.values()) + len(mtext)  # state, index and parts: rank 0's
 
     def _wait_for_markers(self, staging: Path, snap: _Snapshot) -> dict:
         """rank -> (raw bytes, parsed marker) of the current attempt, for every rank."""
@@ -494,11 +523,16 @@ class _KeyInfo:
 class CheckpointReader:
     """Reads boxes of the tensors of a committed per-shard checkpoint directory (``step_XXXXXXXX``).
 
-    Opening checks the manifest (format, every file present with its recorded size), verifies
-    ``state.pt`` and ``index.json`` against their sha256 and every chunk's byte range against its
-    file's size. ``common`` is the unpickled ``state.pt`` (loaded with ``weights_only=True``),
-    ``meta`` the manifest's meta, ``step`` its step. ``bytes_read`` counts tensor payload bytes read
-    by :meth:`read`, ``meta_bytes_read`` the bytes of manifest, index, state and objects files.
+    Opening checks the manifest (format, every file it lists present with its recorded size),
+    verifies ``state.pt`` and the top-level ``index.json`` against their sha256 and decodes the key
+    lists. An index part is read the first time a key in its range is asked for (:meth:`read`,
+    :meth:`global_shape`, :meth:`dtype`, :meth:`chunks`, :meth:`objects`), verified against the sha256
+    the top-level index records, and every chunk's byte range checked against its file's recorded
+    size; a payload file is checked against that size when first opened. An index in the format
+    before parts (one ``index.json`` holding every key) is read whole at opening. ``common`` is the
+    unpickled ``state.pt`` (loaded with ``weights_only=True``), ``meta`` the manifest's meta,
+    ``step`` its step. ``bytes_read`` counts tensor payload bytes read by :meth:`read`,
+    ``meta_bytes_read`` the bytes of the manifest, index, index parts, state and objects files read.
     """
 
     def __init__(self, path):
@@ -519,22 +553,30 @@ class CheckpointReader:
         self.meta: dict = manifest.get("meta") or {}
         index = json.loads(self._read_verified(INDEX_NAME))
         self.common: dict = self._load_verified(ckpt.STATE_FILE)
-        # [{"file", "keys"}] by rank; a plain file name (an index written before key lists): keys unknown
-        self._object_files = [o if isinstance(o, dict) else {"file": o, "keys": None}
-                              for o in index.get("objects", [])]
-        self._keys: dict = {}
-        for key, info in index["keys"].items():
-            chunks = []
-            for c in info["chunks"]:
-                size = self._files.get(c["file"], {}).get("bytes")
-                if size is None or c["byte_offset"] + c["nbytes"] > size:
-                    raise CheckpointError(f"checkpoint {self.path}: {key!r} has a chunk outside {c['file']}")
-                chunks.append((tuple(c["offsets"]), tuple(c["shape"]), c["file"], int(c["byte_offset"]),
-                               int(c["nbytes"]), int(c["crc32"])))
-            self._keys[key] = _KeyInfo(tuple(info["global_shape"]), _dtype_of(info["dtype"]), chunks)
+        self._keys: dict = {}         # key -> _KeyInfo, for the parts read so far
+        self._sizes: dict = {}        # payload / objects file -> {"bytes"[, "sha256"]}, from the parts read
+        self._loaded: set = set()     # part files read
+        if isinstance(index.get("keys"), dict):  # one index.json with every key (before index parts)
+            self._parts = None
+            self._sizes = self._files
+            self._key_set = set(index["keys"])
+            self._add_keys(index["keys"], INDEX_NAME)
+            # [{"file", "keys"}] by rank; a plain file name (an index written before key lists): keys unknown
+            self._object_files = [o if isinstance(o, dict) else {"file": o, "keys": None}
+                                  for o in index.get("objects", [])]
+            return
+        if index.get("index_version") != shard_index.INDEX_VERSION:
+            raise CheckpointError(f"checkpoint {self.path}: index.json has index_version="
+                                  f"{index.get('index_version')!r}; this code reads {shard_index.INDEX_VERSION}")
+        self._key_set = set(shard_index.front_decode(index["keys"]))
+        self._parts = shard_index.PartLookup("index", index["parts"])
+        self._object_key_set = set(shard_index.front_decode(index["object_keys"]))
+        self._object_parts = shard_index.PartLookup("objects", index["object_parts"])
+        self._object_map: dict = {}   # object key -> the lowest rank's file holding it, parts read so far
 
-    def _read_verified(self, name: str) -> bytes:
-        entry = self._files.get(name)
+    def _read_verified(self, name: str, entry: Optional[dict] = None) -> bytes:
+        """The bytes of ``name``, checked against ``entry`` (default: its manifest entry)."""
+        entry = self._files.get(name) if entry is None else entry
         if entry is None:
             raise CheckpointError(f"checkpoint {self.path}: manifest does not list {name}")
         data = (self.path / name).read_bytes()
@@ -543,20 +585,54 @@ class CheckpointReader:
             raise CheckpointError(f"checkpoint {self.path}: {name} fails its sha256 check (corrupt)")
         return data
 
-    def _load_verified(self, name: str):
-        """``name`` verified against the manifest, then loaded with :func:`checkpoint.safe_load`."""
-        return ckpt.safe_load(self._read_verified(name), self.path / name)
+    def _load_verified(self, name: str, entry: Optional[dict] = None):
+        """``name`` verified (see :meth:`_read_verified`), then loaded with :func:`checkpoint.safe_load`."""
+        return ckpt.safe_load(self._read_verified(name, entry), self.path / name)
+
+    def _read_part(self, ref) -> dict:
+        """The entries of an index part ``ref = (file, {"sha256"})`` not read yet (else {}), verified
+        against the top-level index; records the files it lists."""
+        name, entry = ref
+        if name in self._loaded:
+            return {}
+        if name not in self._files:
+            raise CheckpointError(f"checkpoint {self.path}: manifest does not list {name}")
+        body = json.loads(self._read_verified(name, entry))
+        self._loaded.add(name)
+        self._sizes.update(body["files"])
+        return body["entries"]
+
+    def _add_keys(self, entries: dict, where: str) -> None:
+        for key, info in entries.items():
+            chunks = []
+            for c in info["chunks"]:
+                size = self._sizes.get(c["file"], {}).get("bytes")
+                if size is None or c["byte_offset"] + c["nbytes"] > size:
+                    raise CheckpointError(f"checkpoint {self.path}: {key!r} has a chunk outside {c['file']} "
+                                          f"(in {where})")
+                chunks.append((tuple(c["offsets"]), tuple(c["shape"]), c["file"], int(c["byte_offset"]),
+                               int(c["nbytes"]), int(c["crc32"])))
+            self._keys[key] = _KeyInfo(tuple(info["global_shape"]), _dtype_of(info["dtype"]), chunks)
 
     # ---------------------------------------------------------------------------------- lookup
     def keys(self) -> list:
-        """Every saved key, sorted."""
-        return sorted(self._keys)
+        """Every saved key, sorted (from the top-level index: no part is read)."""
+        return sorted(self._key_set)
 
     def _info(self, key: str) -> _KeyInfo:
+        info = self._keys.get(key)
+        if info is not None:
+            return info
+        if key not in self._key_set:
+            raise CheckpointError(f"checkpoint {self.path} holds no tensor {key!r}")
+        ref = self._parts.part_of(key)
+        if ref is not None:
+            self._add_keys(self._read_part(ref), ref[0])
         try:
             return self._keys[key]
         except KeyError:
-            raise CheckpointError(f"checkpoint {self.path} holds no tensor {key!r}") from None
+            raise CheckpointError(f"checkpoint {self.path}: {key!r} is listed in index.json but in no index part "
+                                  "(corrupt index)") from None
 
     def global_shape(self, key) -> tuple:
         return self._info(key).global_shape
@@ -564,11 +640,44 @@ class CheckpointReader:
     def dtype(self, key) -> torch.dtype:
         return self._info(key).dtype
 
+    def chunks(self, key) -> list:
+        """The saved chunks of ``key``: ``[{"file", "byte_offset", "nbytes", "offsets", "shape",
+        "crc32"}]`` as the index records them."""
+        return [{"offsets": list(c[0]), "shape": list(c[1]), "file": c[2], "byte_offset": c[3], "nbytes": c[4],
+                 "crc32": c[5]} for c in self._info(key).chunks]
+
     def objects(self, keys: Optional[Iterable[str]] = None) -> dict:
         """The union of the saved ``objects`` dicts, ranks in ascending order; a key already taken by
-        a lower rank is kept (loaded with ``weights_only=True``). With ``keys``, only the files
-        that hold one of them are read (the index lists each file's keys), and only those keys are
-        returned: a rank resuming reads the objects it needs, not every rank's."""
+        a lower rank is kept (loaded with ``weights_only=True``). With ``keys``, only the index parts
+        and files that hold one of them are read, and only those keys are returned: a rank resuming
+        reads the objects it needs, not every rank's."""
+        if self._parts is None:
+            return self._objects_single_index(keys)
+        want = set(self._object_key_set if keys is None else keys) & self._object_key_set
+        for k in want:
+            ref = self._object_parts.part_of(k)
+            if ref is not None:
+                self._object_map.update(self._read_part(ref))
+        by_file: dict = {}  # the lowest rank's file per key
+        for k in want:
+            name = self._object_map.get(k)
+            if name is None:
+                raise CheckpointError(f"checkpoint {self.path}: object key {k!r} is listed in index.json but in "
+                                      "no index part (corrupt index)")
+            by_file.setdefault(name, []).append(k)
+        out: dict = {}
+        for name in sorted(by_file):
+            entry = self._sizes.get(name)
+            if entry is None:
+                raise CheckpointError(f"checkpoint {self.path}: no index part lists {name}")
+            d = self._load_verified(name, entry)
+            for k in by_file[name]:
+                if k not in d:
+                    raise CheckpointError(f"checkpoint {self.path}: {name} lacks object {k!r} its index lists")
+                out[k] = d[k]
+        return out
+
+    def _objects_single_index(self, keys) -> dict:
         want = None if keys is None else set(keys)
         files = self._object_files
         if want is not None:  # per key the lowest rank's file that lists it (unlisted: must be read)
@@ -585,11 +694,31 @@ class CheckpointReader:
         return out
 
     def object_keys(self) -> Optional[set]:
-        """Every saved object key, from the index alone (no object file is read); None for an index
-        written before key lists."""
+        """Every saved object key, from the index alone (no object file or part is read); None for an
+        index written before key lists."""
+        if self._parts is not None:
+            return set(self._object_key_set)
         if any(o["keys"] is None for o in self._object_files):
             return None
         return {k for o in self._object_files for k in o["keys"]}
+
+    def verify(self) -> None:
+        """Check the whole checkpoint: read every index part, then every payload and objects file's size
+        and every objects file's sha256 (every rank's files: O(world) work, for tools, not resuming).
+        Raises CheckpointError naming the first problem."""
+        if self._parts is not None:
+            for ref in self._parts.all():
+                self._add_keys(self._read_part(ref), ref[0])
+            for ref in self._object_parts.all():
+                self._object_map.update(self._read_part(ref))
+        for name, entry in sorted(self._sizes.items()):
+            fpath = self.path / name
+            size = fpath.stat().st_size if fpath.is_file() else None
+            if size != entry.get("bytes"):
+                raise CheckpointError(f"checkpoint {self.path}: {name} has {size} bytes, the index says "
+                                      f"{entry.get('bytes')} (truncated?)")
+            if "sha256" in entry and not name.endswith(".json"):
+                self._read_verified(name, entry)
 
     # ------------------------------------------------------------------------------------ read
     def read(self, key, offsets, shape, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -638,7 +767,16 @@ class CheckpointReader:
     def _fd(self, name: str) -> int:
         fd = self._fds.get(name)
         if fd is None:
-            fd = self._fds[name] = os.open(self.path / name, os.O_RDONLY)
+            try:
+                fd = os.open(self.path / name, os.O_RDONLY)
+            except FileNotFoundError:
+                raise CheckpointError(f"checkpoint {self.path}: {name} is missing") from None
+            size, want = os.fstat(fd).st_size, self._sizes[name]["bytes"]
+            if size != want:
+                os.close(fd)
+                raise CheckpointError(f"checkpoint {self.path}: {name} has {size} bytes, the index says {want} "
+                                      "(truncated?)")
+            self._fds[name] = fd
         return fd
 
     def _pread_into(self, key: str, fd: int, view: memoryview, offset: int) -> None:

@@ -34,10 +34,28 @@ def _plant(ckpt_dir: Path, name: str, marker: Path) -> None:
     data = (ckpt_dir / name).read_bytes()
     mpath = ckpt_dir / "manifest.json"
     manifest = json.loads(mpath.read_text())
-    entry = manifest["files"][name]
-    entry["bytes"] = len(data)
-    if "sha256" in entry:
-        entry["sha256"] = hashlib.sha256(data).hexdigest()
+
+    def fix(entry, blob):
+        entry["bytes"] = len(blob)
+        if "sha256" in entry:
+            entry["sha256"] = hashlib.sha256(blob).hexdigest()
+
+    if name in manifest["files"]:
+        fix(manifest["files"][name], data)
+    else:  # a per-rank file: listed in an objects part, whose sha256 is in index.json (hash chain)
+        index = json.loads((ckpt_dir / "index.json").read_text())
+        for i, ref in enumerate(index["object_parts"]):
+            part_path = ckpt_dir / f"objects_{i:05d}.json"
+            part = json.loads(part_path.read_text())
+            if name in part["files"]:
+                fix(part["files"][name], data)
+                blob = json.dumps(part).encode()
+                part_path.write_bytes(blob)
+                ref[1] = hashlib.sha256(blob).hexdigest()
+                fix(manifest["files"][part_path.name], blob)
+        blob = json.dumps(index).encode()
+        (ckpt_dir / "index.json").write_bytes(blob)
+        fix(manifest["files"]["index.json"], blob)
     mpath.write_text(json.dumps(manifest))
 
 

@@ -60,6 +60,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or corrupt."""
 
 
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file needs the full unpickler (planted code): refused, never skipped over."""
+
+
 class CheckpointWarning(UserWarning):
     """An invalid checkpoint was skipped while searching for the latest complete one."""
 
@@ -248,7 +252,7 @@ def safe_load(data: bytes, name, map_location="cpu"):
         return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise CheckpointError(f"checkpoint file {name} holds objects that only a full unpickler could load "
+        raise UnsafeCheckpointError(f"checkpoint file {name} holds objects that only a full unpickler could load "
                               f"(refused; nothing in it was run): {first[:160]}") from None
 
 
@@ -350,15 +354,16 @@ def validate_checkpoint(path, verify_checksums: bool = True) -> tuple[bool, str]
     return True, "ok"
 
 
-def find_latest(root, verify_checksums: bool = True) -> Optional[Path]:
+def find_latest(root, verify_checksums: bool = True, exclude=()) -> Optional[Path]:
     """The checkpoint to resume from, or None when ``root`` holds no valid checkpoint.
 
     Prefers the one named by ``root/latest`` (the last committed save) when it validates; otherwise
     the valid ``step_*`` directory with the highest step. Each invalid checkpoint met on the way is
-    reported with one ``CheckpointWarning`` and skipped.
+    reported with one ``CheckpointWarning`` and skipped; those in ``exclude`` (paths a reader already
+    failed on) are skipped silently.
     """
     root = Path(root)
-    rejected: set[Path] = set()
+    rejected: set[Path] = {Path(p) for p in exclude}
     pointer = root / LATEST_NAME
     if pointer.is_file():
         name = pointer.read_text().strip()
@@ -366,7 +371,7 @@ def find_latest(root, verify_checksums: bool = True) -> Optional[Path]:
         if _STEP_RE.match(name) is None:
             warnings.warn(f"checkpoint pointer {pointer} holds {name!r}, not a step directory; "
                           f"scanning {root}", CheckpointWarning, stacklevel=2)
-        else:
+        elif cand not in rejected:
             ok, reason = validate_checkpoint(cand, verify_checksums)
             if ok:
                 return cand

@@ -14,6 +14,7 @@ the batch is split. Quantile-Balancing biases are updated once per optimizer ste
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -205,11 +206,9 @@ class Trainer:
 
     @torch.no_grad()
     def load(self, path: Path) -> None:
-        """Read this rank's boxes of every tensor it holds (model and owned optimizer state)."""
-        try:
-            reader = ckpt_store.CheckpointReader(path)
-        except ckpt.CheckpointError as e:
-            raise ValueError(str(e)) from None
+        """Read this rank's boxes of every tensor it holds (model and owned optimizer state); a
+        missing, corrupt or unsafe file raises CheckpointError (maybe_resume decides what follows)."""
+        reader = ckpt_store.CheckpointReader(path)
         plan = self.plan
         keys = set(reader.keys())
         own = {canonical_name(k): v for k, v in self.model.state_dict().items()}
@@ -265,21 +264,52 @@ class Trainer:
                                  for v in st.values() if torch.is_tensor(v) and v.ndim > 0)}
 
     def maybe_resume(self) -> Optional[Path]:
+        """Load ``train.resume``. With 'auto', the newest complete checkpoint; when any rank cannot
+        read its own shards of it (a file truncated or corrupted after the commit: each rank checks
+        only the files it reads, so nothing here is O(world)), the ranks agree on that (one all-reduce)
+        and fall back to the next older one with a CheckpointWarning. A file needing the full
+        unpickler is never skipped over: one-line error. An explicit path is not substituted."""
         spec = self.job.train.resume
         if spec == "none":
             return None
-        if spec == "auto":
-            path = ckpt.find_latest(self.ckpt_dir)
-            if path is None:
-                return None
-        else:
+        if spec != "auto":
             path = Path(spec)
             ok, why = ckpt.validate_checkpoint(path)
             if not ok:
                 raise ValueError(f"train.resume={spec}: not a complete checkpoint ({why}); "
                                  "use train.resume=auto to pick the newest complete one")
-        self.load(path)
-        return path
+            try:
+                self.load(path)
+            except ckpt.CheckpointError as e:
+                raise ValueError(str(e)) from None
+            return path
+        failed: set = set()
+        while True:
+            path = ckpt.find_latest(self.ckpt_dir, exclude=failed)
+            if path is None:
+                return None
+            error = None
+            try:
+                self.load(path)
+            except ckpt.UnsafeCheckpointError as e:
+                raise ValueError(str(e)) from None
+            except ckpt.CheckpointError as e:
+                error = e
+            if not self._any_rank(error is not None):
+                return path
+            warnings.warn(f"skipping checkpoint {path}: {error or 'another rank could not read its shards'}",
+                          ckpt.CheckpointWarning, stacklevel=2)
+            failed.add(path)
+
+    def _any_rank(self, flag: bool) -> bool:
+        """True when ``flag`` is True on any rank (one all-reduce over the host group, or the default
+        group on this rank's device)."""
+        if self.ps.world_size == 1:
+            return flag
+        group = self.ps.host_group
+        t = torch.tensor([float(flag)], device="cpu" if group is not None else self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return bool(t.item())
 
     # ---- one optimizer step (megak3/train/step.py) ----------------------------------------------
     def next_micro_batches(self) -> list:

@@ -6,23 +6,7 @@ import pytest
 import torch
 
 from parallel.testing import run_distributed
-
-SAMPLES = 8
-
-
-def _fixed_rollouts():
-    from megak3.posttrain.buffer import Rollout
-
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for i in range(SAMPLES):
-        P, R = 5 + i % 3, 3 + (i * 5) % 7
-        r = Rollout(i, i // 4, torch.randint(4, 512, (P,), generator=g).tolist(), budget=16)
-        r.extend(torch.randint(4, 512, (R,), generator=g).tolist(),
-                 (-6.2 + 0.1 * torch.randn(R, generator=g)).tolist(), version=0)
-        r.finish("length")
-        out.append(r)
-    return out, torch.randn(SAMPLES, generator=g)
+from tests.test_rl_parallel import _fixed_rollouts  # the same fixed rollouts as the dp2/tp2 parity
 
 
 class Tok:  # the update needs only the pad id

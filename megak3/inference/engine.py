@@ -191,30 +191,39 @@ class Engine:
         waiting, prefilling, decoding = deque(seqs), [], []
         try:
             while waiting or prefilling or decoding:
-                while waiting and len(prefilling) + len(decoding) < self.max_batch:
-                    s = waiting[0]
-                    if (prefilling or decoding) and not self.cache.can_begin(len(s.prompt), s.max_new):
-                        break   # wait for a running sequence to free its pages
-                    waiting.popleft()
-                    self._begin(s)
-                    prefilling.append(s)
-                if prefilling:
-                    s = prefilling[0]
-                    logits = self._prefill_chunk(s)
-                    if s.fed == len(s.prompt):
-                        prefilling.pop(0)
-                        s.x0 = None
-                        yield from self._emit(s, logits)
-                        (decoding if s.finish is None else []).append(s)
-                if decoding:
-                    logits = self._decode(decoding)
-                    for s, row in zip(list(decoding), logits):
-                        yield from self._emit(s, row)
-                    decoding = [s for s in decoding if s.finish is None]
+                yield from self._step(waiting, prefilling, decoding)
         finally:
             for s in list(prefilling) + list(decoding):
                 if s.rid in self.cache.seqs:
                     self.cache.finish(s.rid)
+
+    def _step(self, waiting: deque, prefilling: list, decoding: list):
+        """One scheduler iteration over the three queues, updated in place: admit waiting sequences
+        while the batch and the pages allow, one prefill chunk of the oldest prefilling sequence, one
+        ragged decode step over the decoding ones. Yields (seq, token, logprob) per generated token.
+        The one scheduling core: generate/stream (:meth:`_schedule`) and the post-training partial
+        rollouts (megak3/posttrain/rollout.py, which stop between iterations) both run it."""
+        while waiting and len(prefilling) + len(decoding) < self.max_batch:
+            s = waiting[0]
+            if (prefilling or decoding) and not self.cache.can_begin(len(s.prompt), s.max_new):
+                break   # wait for a running sequence to free its pages
+            waiting.popleft()
+            self._begin(s)
+            prefilling.append(s)
+        if prefilling:
+            s = prefilling[0]
+            logits = self._prefill_chunk(s)
+            if s.fed == len(s.prompt):
+                prefilling.pop(0)
+                s.x0 = None
+                yield from self._emit(s, logits)
+                if s.finish is None:
+                    decoding.append(s)
+        if decoding:
+            logits = self._decode(decoding)
+            for s, row in zip(list(decoding), logits):
+                yield from self._emit(s, row)
+            decoding[:] = [s for s in decoding if s.finish is None]
 
     def _begin(self, s: _Seq, lookup: bool = True) -> None:
         salt = b""

@@ -75,29 +75,8 @@ class PartialRollouts:
         while (waiting or prefilling or decoding) and (stop_after is None or finished < stop_after) \
                 and (max_steps is None or steps < max_steps):
             steps += 1
-            while waiting and len(prefilling) + len(decoding) < eng.max_batch:
-                s = waiting[0]
-                if (prefilling or decoding) and not eng.cache.can_begin(len(s.prompt), s.max_new):
-                    break
-                waiting.popleft()
-                eng._begin(s)
-                prefilling.append(s)
-            if prefilling:
-                s = prefilling[0]
-                logits = eng._prefill_chunk(s)
-                if s.fed == len(s.prompt):
-                    prefilling.pop(0)
-                    s.x0 = None
-                    for item in eng._emit(s, logits):
-                        record(*item)
-                    if s.finish is None:
-                        decoding.append(s)
-            if decoding:
-                logits = eng._decode(decoding)
-                for s, row in zip(list(decoding), logits):
-                    for item in eng._emit(s, row):
-                        record(*item)
-                decoding = [s for s in decoding if s.finish is None]
+            for item in eng._step(waiting, prefilling, decoding):
+                record(*item)
         return finished
 
     def release_all(self) -> None:

@@ -287,3 +287,20 @@ def test_chunk_no_grad_path_matches_grad_path(T):
     assert o_g.requires_grad and not o_n.requires_grad
     for o, S in ((o_n, S_n), (o_g, S_g)):
         assert max_err(o, o_ref) < TOL and max_err(S, S_ref) < TOL
+
+
+def test_kda_layer_one_head_one_token():
+    """One KDA head (e.g. one per TP rank) and a one-token sequence: the gate pre-activation
+    [B, 1, 1*K] must not be read as [..., H, K] (it was: g came out [B, 1, K] and the core refused it)."""
+    from megak3.config import load_model_config
+    from megak3.model.kda import KimiDeltaAttention
+    from megak3.model.seqinfo import make_seq_info
+    from tests.conftest import SMALL_MODEL
+
+    torch.manual_seed(0)
+    cfg = load_model_config("k3_tiny", **{**SMALL_MODEL, "kda.num_heads": 1})
+    layer = KimiDeltaAttention(cfg)
+    x = torch.randn(2, 3, cfg.hidden_size)
+    whole = layer(x, make_seq_info(2, 3, None, x.device))
+    first = layer(x[:, :1], make_seq_info(2, 1, None, x.device))
+    torch.testing.assert_close(first, whole[:, :1], rtol=1e-5, atol=1e-6)   # causal: token 0 sees only itself

@@ -106,7 +106,8 @@ class KimiDeltaAttention(nn.Module):
         q = _l2norm(conv(self.q_conv1d, self.q_proj(x_BTD)).view(B, T, H, K))
         k = _l2norm(conv(self.k_conv1d, self.k_proj(x_BTD)).view(B, T, H, K))
         v = conv(self.v_conv1d, self.v_proj(x_BTD)).view(B, T, H, K)
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x_BTD)), self.A_log, self.dt_bias, self.lower_bound)
+        # [B, T, H, K] explicitly: a flat [B, 1, 1*K] (one head per rank, one token) would read as [..., H, K]
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, K), self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(self.b_proj(x_BTD).float())
         return q, k, v, g, beta
 

@@ -262,6 +262,7 @@ LINE = "megak3.train: error: parallel.tp=3 ..."
 @pytest.mark.parametrize("failures,expected", [
     ({0: _Failure(2, LINE), 1: _Failure(2, LINE)}, None),  # rank 0 printed
     ({1: _Failure(2, LINE), 0: _Failure(-15, "Signal 15 (SIGTERM) received by PID 7")}, LINE),  # the race
+    ({1: _Failure(2, LINE), 0: _Failure(-15, LINE)}, None),  # rank 0 printed and recorded, then was stopped
     ({1: _Failure(2, LINE)}, LINE),  # rank 0 exited 0, or runs on another node
     ({3: _Failure(2, "To enable traceback see: ..."), 2: _Failure(-15)}, "rank 3 stopped on a user error"),
 ])

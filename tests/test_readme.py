@@ -13,7 +13,8 @@ ways (``way`` decides; the test fails on a command it cannot place):
              megak3.posttrain, the lm-eval adapter): its --help runs
   endpoint   a curl call to the generation server: the path it asks for is one the server routes
              (tests/test_server.py sends the same requests to a live server)
-  assign     a shell variable assignment alone (R=$(...)): nothing to run
+  assign     a shell variable assignment alone (R=$(...)) or a loop's ``for ...; do`` / ``done`` line:
+             nothing to run (the loop's body lines are exercised one by one)
 """
 import contextlib
 import io
@@ -43,12 +44,14 @@ def commands(path: Path) -> list:
     return out
 
 
-MODULES = {"megak3.generate", "megak3.posttrain", "megak3.posttrain.sft_data", "megak3.inference.lm_eval_adapter"}
+MODULES = {"megak3.generate", "megak3.posttrain", "megak3.posttrain.sft_data", "megak3.posttrain.demo_sft",
+           "megak3.inference.lm_eval_adapter"}
 
 
 def way(cmd: str) -> tuple:
     """(how the command is exercised, its argv without the interpreter and environment)."""
-    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=\$\(.*\)", cmd):
+    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=\$\(.*\)", cmd) or re.fullmatch(r"for \w+ in [^;]*; do", cmd) \
+            or cmd == "done":
         return "assign", []
     argv = shlex.split(cmd)
     while argv and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=\S*", argv[0]):

@@ -32,6 +32,13 @@ prefix, cut by the harness's own rolling-window helpers.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # python -m: run the importable module's main, so the model registers once
+    import sys
+
+    from megak3.inference.lm_eval_adapter import main
+
+    sys.exit(main())
+
 import sys
 from typing import List, Optional, Tuple
 
@@ -204,6 +211,3 @@ def main(argv: Optional[List[str]] = None) -> int:
     cli_evaluate()
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -105,18 +105,22 @@ def record_user_error(line: str, env: Mapping[str, str] = os.environ) -> None:
             json.dump({"message": line, "timestamp": int(time.time())}, f)
 
 
+def _recorded(failure) -> bool:
+    message = getattr(failure, "message", "")
+    return isinstance(message, str) and message.startswith("megak3.")   # a megak3 entry point's line
+
+
 def unprinted_user_error(failures: Mapping[int, object]) -> Optional[str]:
     """The line to print for ranks that stopped on a user error (exit 2) when rank 0 did not print
-    it, i.e. global rank 0 is not among ``failures`` with exit code 2 (it was stopped before
-    printing, or it runs on another node); None when rank 0 printed. ``failures``: global rank ->
+    it, i.e. global rank 0 is not among ``failures`` with exit code 2 or a recorded line (it was
+    stopped before printing, or it runs on another node); None when rank 0 printed. ``failures``: global rank ->
     torchrun's ProcessFailure (``exitcode``, ``message``: the recorded line, if any)."""
     first = failures.get(0)
-    if first is not None and first.exitcode == 2:
-        return None
+    if first is not None and (first.exitcode == 2 or _recorded(first)):
+        return None     # rank 0 printed it (it records only after printing), then may have been stopped
     for rank in sorted(failures):
-        message = getattr(failures[rank], "message", "")
-        if failures[rank].exitcode == 2 and isinstance(message, str) and message.startswith("megak3."):
-            return message
+        if failures[rank].exitcode == 2 and _recorded(failures[rank]):
+            return failures[rank].message
     rank = min(r for r in failures if failures[r].exitcode == 2)
     return (f"{PREFIX}: error: rank {rank} stopped on a user error (exit code 2) and recorded no message; "
             "its output is above")

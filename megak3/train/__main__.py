@@ -197,10 +197,11 @@ def job(cfg: DictConfig) -> int:
 
 def _user_error(line: str, rank: int) -> None:
     """Rank 0 prints a user error; every rank records it for megak3.launch.torchrun, which prints it
-    when rank 0 could not (stopped by torchrun during its imports after another rank failed first)."""
-    record_user_error(line)
+    when rank 0 could not (stopped by torchrun during its imports after another rank failed first).
+    Rank 0 records only after printing, so a line recorded by rank 0 means it was printed."""
     if rank == 0:
         print(line, file=sys.stderr, flush=True)
+    record_user_error(line)
 
 
 def read_child_status(job_dir: str) -> Optional[dict]:

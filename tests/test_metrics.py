@@ -7,8 +7,7 @@ import sys
 import pytest
 import torch
 
-from megak3.metrics import (GPUTelemetry, LoggingConfig, Throughput, TrainLogger, peak_memory_mb,
-                            peak_memory_source)
+from megak3.metrics import GPUTelemetry, LoggingConfig, Throughput, TrainLogger, peak_memory_source
 
 
 def _cfg(**kw) -> LoggingConfig:

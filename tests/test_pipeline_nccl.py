@@ -22,15 +22,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megak3.config import load_model_config
 from megak3.model.k3 import build_model
 from megak3.ops import weight_grad
 from parallel.nccl_semantics import NcclP2P, P2PModel, replay
-from parallel.parity import PARITY_MODEL, global_batch, local_rows
+
 from parallel.pipeline import Action, PipelineEngine, build_schedule, keep_stage, rank_chunks
 from parallel.pipeline import engine  # message_plan, tag_name (absent at 8d54860: looked up when used)
 from parallel.pipeline.schedules import splits_weight_grad
 from parallel.testing import run_threaded
+from tests.test_pipeline import _cfg, _micro_batches, _reference  # the one-process reference, shared
 
 SCHEDS = ("afab", "1f1b", "interleaved_1f1b", "zb_h1")
 RECORDED = os.path.join(os.path.dirname(__file__), "data", "pipeline_posts_8d54860.json")
@@ -73,27 +73,6 @@ def _names(V):
     """Tag -> message name for the fabric's reports (the engine's tag_name; absent at 8d54860)."""
     name = getattr(engine, "tag_name", None)
     return (lambda t: name(t, V)) if name else None
-
-
-def _cfg():
-    return load_model_config("k3_tiny", **PARITY_MODEL)
-
-
-def _micro_batches(m):
-    ids, labels, _ = global_batch(0, m, 32, _cfg().vocab_size)
-    mbs = [dict(zip(("input_ids", "labels", "cu_seqlens"), local_rows(ids, labels, i, m))) for i in range(m)]
-    return mbs, int((labels != -100).sum())
-
-
-def _reference(m):
-    model = build_model(_cfg(), seed=4)
-    mbs, n = _micro_batches(m)
-    loss = 0.0
-    for mb in mbs:
-        out = model(mb["input_ids"], labels=mb["labels"], cu_seqlens=mb["cu_seqlens"])
-        (out.loss_sum / n).backward()
-        loss += float(out.loss_sum.detach())
-    return loss, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
 def _engine_cases(cases, m, timeout_s=60.0):

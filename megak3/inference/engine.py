@@ -10,10 +10,9 @@ while others decode; results keep input order. Bookkeeping lives in :class:`Cach
 from __future__ import annotations
 
 import hashlib
-import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import Iterator, List, Optional, Union
 
 import torch
 

@@ -104,7 +104,7 @@ def test_rolling_windows_beyond_the_context_and_truncated_contexts(run):
 def test_chat_template_is_the_sft_template(run):
     """--apply_chat_template renders megak3's chat template (the one SFT trains on and the server
     uses) as text, and the adapter then encodes it to exactly the template's ids."""
-    from megak3.posttrain.chat import encode_chat, generation_prompt
+    from megak3.data.chat import encode_chat, generation_prompt
 
     path, _, _ = run
     lm = Megak3LM(checkpoint=str(path))

@@ -44,7 +44,7 @@ def commands(path: Path) -> list:
     return out
 
 
-MODULES = {"megak3.generate", "megak3.posttrain", "megak3.posttrain.sft_data", "megak3.posttrain.demo_sft",
+MODULES = {"megak3.generate", "megak3.posttrain", "megak3.data.sft", "megak3.data.demo_sft",
            "megak3.inference.lm_eval_adapter"}
 
 

@@ -14,7 +14,7 @@ from megak3.envs import EnvPool, ToolCall
 from megak3.optim.config import OptimConfig
 from megak3.posttrain.agentic import AgentRunner
 from megak3.posttrain.buffer import Rollout
-from megak3.posttrain.demo_sft import build_demo_sft_dataset
+from megak3.data.demo_sft import build_demo_sft_dataset
 from megak3.posttrain.rl import RLConfig, response_batch
 from megak3.train.config import JobConfig, TrainConfig
 

@@ -10,7 +10,7 @@ from megak3.data.tokenizer import load_tokenizer
 from megak3.inference import SamplingParams
 from megak3.optim.config import OptimConfig
 from megak3.posttrain.buffer import RolloutBuffer
-from megak3.posttrain.demo_sft import build_demo_sft_dataset
+from megak3.data.demo_sft import build_demo_sft_dataset
 from megak3.posttrain.objective import token_logprobs
 from megak3.posttrain.rl import RLConfig, RLRunner, response_batch
 from megak3.posttrain.rollout import PartialRollouts

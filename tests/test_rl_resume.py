@@ -18,7 +18,7 @@ def make_runner(cache):
     from megak3.data.config import DataConfig
     from megak3.data.tokenizer import load_tokenizer
     from megak3.optim.config import OptimConfig
-    from megak3.posttrain.demo_sft import build_demo_sft_dataset
+    from megak3.data.demo_sft import build_demo_sft_dataset
     from megak3.posttrain.rl import RLConfig, RLRunner
     from megak3.train.config import JobConfig, TrainConfig
 

@@ -14,7 +14,7 @@ import pytest
 
 from megak3.inference import Engine
 from megak3.inference.server import make_server
-from megak3.posttrain.chat import generation_prompt
+from megak3.data.chat import generation_prompt
 from test_generate_cli import greedy_reference, make_tiny_run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -25,7 +25,7 @@ CONV = [{"role": "user", "content": "what colour is it?", "images": ["red.png"]}
 
 def test_template_puts_the_towers_slot_count_after_the_header(tok):
     from megak3.model.vision import num_image_tokens
-    from megak3.posttrain.chat import ChatFormatError, encode_chat, labels_from_mask
+    from megak3.data.chat import ChatFormatError, encode_chat, labels_from_mask
 
     n = num_image_tokens(56, 84, 14, 2)
     assert n == 6
@@ -47,7 +47,7 @@ def test_template_puts_the_towers_slot_count_after_the_header(tok):
 def _write(tmp_path, tok, convs):
     from PIL import Image
 
-    from megak3.posttrain.sft_data import read_conversations, write_sft_dataset
+    from megak3.data.sft import read_conversations, write_sft_dataset
 
     Image.fromarray(np.full((56, 84, 3), (200, 10, 10), np.uint8)).save(tmp_path / "red.png")
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
@@ -57,8 +57,8 @@ def _write(tmp_path, tok, convs):
 
 
 def test_packed_row_carries_the_image_and_assistant_labels(tmp_path, tok):
-    from megak3.posttrain.chat import encode_chat
-    from megak3.posttrain.sft_data import SFTPackedDataset
+    from megak3.data.chat import encode_chat
+    from megak3.data.sft import SFTPackedDataset
 
     text_only = [{"role": "user", "content": "blue?"}, {"role": "assistant", "content": "blue"}]
     prefix, stats = _write(tmp_path, tok, [text_only, CONV])
@@ -82,7 +82,7 @@ def test_sft_step_with_an_image_trains_the_tower(tmp_path, tok):
     from megak3.data.config import DataConfig
     from megak3.data.packing import collate
     from megak3.optim.config import OptimConfig
-    from megak3.posttrain.sft_data import SFTPackedDataset
+    from megak3.data.sft import SFTPackedDataset
     from megak3.train.config import JobConfig, TrainConfig
     from megak3.train.step import RankStep
     from parallel.state import ParallelState
@@ -105,7 +105,7 @@ def test_open_sft_split_checks_the_vision_tower(tmp_path, tok):
     from conftest import SMALL_MODEL
     from megak3.config import load_model_config
     from megak3.data.config import DataError
-    from megak3.posttrain.sft_data import open_sft_split
+    from megak3.data.sft import open_sft_split
 
     prefix, _ = _write(tmp_path, tok, [CONV])
     on = load_model_config("k3_tiny", **{**SMALL_MODEL, "vision.enabled": True, "media_placeholder_token_id": 3})
@@ -118,8 +118,8 @@ def test_open_sft_split_checks_the_vision_tower(tmp_path, tok):
 
 
 def test_colour_chats_arms_differ_only_in_the_images(tmp_path):
-    from megak3.posttrain.demo_sft import write_colour_chats
-    from megak3.posttrain.sft_data import read_conversations
+    from megak3.data.demo_sft import write_colour_chats
+    from megak3.data.sft import read_conversations
 
     paths = write_colour_chats(tmp_path, n=12)
     real, blind = (list(read_conversations([paths[a]])) for a in ("real", "blind"))

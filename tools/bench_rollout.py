@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         return 2
     torch.set_num_threads(1)
     from megak3.data.tokenizer import load_tokenizer
-    from megak3.posttrain.demo_sft import build_demo_sft_dataset
+    from megak3.data.demo_sft import build_demo_sft_dataset
 
     with tempfile.TemporaryDirectory() as d:
         tok = load_tokenizer(build_demo_sft_dataset(d, 512, num_conversations=300, progress=False)[1])

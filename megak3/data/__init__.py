@@ -7,8 +7,9 @@ Typical use (see docs/INTERFACES.md for the batch contract)::
     for batch in Batcher(train, micro_batch_size=8):   # input_ids, labels, cu_seqlens, num_tokens
         ...
 """
-from megak3.data.config import DataConfig, DataError, default_cache_dir, resolve_dataset
+from megak3.data.config import DataConfig, default_cache_dir, resolve_dataset
 from megak3.data.demo import build_demo_dataset, demo_files
+from megak3.data.errors import DataError
 from megak3.data.indexed import IndexedDataset, IndexedDatasetBuilder, best_dtype
 from megak3.data.packing import IGNORE_INDEX, Batcher, PackedDataset, Sample, collate, split_documents
 from megak3.data.preprocessing import collect_input_files, format_stats, preprocess, read_documents

@@ -12,15 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Tuple
 
+from megak3.data.errors import DataError
+
 DEMO = "demo"
 DEMO_VISION = "demo_vision"
 DEMO_SFT = "demo_sft"
 DEMOS = (DEMO, DEMO_VISION, DEMO_SFT)
-PREPROCESS_HINT = "run: python tools/preprocess_data.py --input <files or dirs> --output-prefix {prefix} --train-tokenizer"
-
-
-class DataError(ValueError):
-    """A dataset, tokenizer or input file is missing, corrupt or inconsistent; the message says how to fix it."""
 
 
 def default_cache_dir() -> str:
@@ -35,7 +32,7 @@ class DataConfig:
     path: str = DEMO
     """dataset prefix (``/x/y`` for ``/x/y.bin`` + ``/x/y.idx``), "demo" for the built-in stdlib corpus, or
     "demo_vision" for the built-in rendered-shapes image-text corpus, or "demo_sft" for the built-in chat corpus
-    (megak3/posttrain/demo_sft.py; trains on assistant tokens only)"""
+    (megak3/data/demo_sft.py; trains on assistant tokens only)"""
     tokenizer: Optional[str] = None
     """path to tokenizer.json; None = ``tokenizer.json`` beside the dataset (automatic for "demo")"""
     cache_dir: str = field(default_factory=default_cache_dir)
@@ -80,7 +77,7 @@ def resolve_dataset(cfg: DataConfig) -> Tuple[str, str]:
 
     cfg.validate()
     if cfg.path == DEMO_SFT:
-        from megak3.posttrain.demo_sft import build_demo_sft_dataset
+        from megak3.data.demo_sft import build_demo_sft_dataset
 
         return build_demo_sft_dataset(os.path.expanduser(cfg.cache_dir), vocab_size=cfg.vocab_size)
     if cfg.path == DEMO_VISION:

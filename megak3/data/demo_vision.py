@@ -19,19 +19,17 @@ document count) under the data cache, atomically like the text demo.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Tuple
 
 import numpy as np
 
+from megak3.data.demo_cache import PREFIX_NAME, cached_corpus
+
 FORMAT_VERSION = 1
 NUM_DOCS = 3000
-PREFIX_NAME = "data"
 COLOURS = {"red": (220, 30, 30), "green": (30, 160, 40), "blue": (30, 60, 220), "yellow": (230, 200, 20),
            "purple": (140, 40, 170), "orange": (240, 130, 20), "black": (20, 20, 20)}
 SHAPES = ("circle", "square", "triangle")
@@ -74,12 +72,7 @@ def build_demo_vision_dataset(cache_dir, vocab_size: int = 512, num_docs: int = 
     """Build (once) and return ``(prefix, tokenizer_path)`` of the image–text demo under ``cache_dir``."""
     from PIL import Image
 
-    from megak3.data.demo import publish_cache_entry
     from megak3.data.vision_dataset import format_image_stats, preprocess_image_text
-
-    key = hashlib.sha256(f"megak3-demo-vision v{FORMAT_VERSION} vocab={vocab_size} docs={num_docs}".encode())
-    entry = Path(os.path.expanduser(str(cache_dir))) / f"demo-vision-v{vocab_size}-{key.hexdigest()[:16]}"
-    prefix, tok_path = entry / PREFIX_NAME, entry / "tokenizer.json"
 
     def build(tmp: Path) -> dict:
         src = tmp / "src"
@@ -92,10 +85,8 @@ def build_demo_vision_dataset(cache_dir, vocab_size: int = 512, num_docs: int = 
         stats = preprocess_image_text([src / "captions.jsonl"], tmp / PREFIX_NAME, train_tokenizer=True,
                                       vocab_size=vocab_size)
         shutil.rmtree(src)
-        stats.update(prefix=str(prefix), tokenizer=str(tok_path))
         return stats
 
-    stats = publish_cache_entry(entry, build)
-    if stats is not None and progress:
-        print("demo_vision corpus: " + format_image_stats(stats), file=sys.stderr)
-    return str(prefix), str(tok_path)
+    return cached_corpus(cache_dir, f"demo-vision-v{vocab_size}",
+                         f"megak3-demo-vision v{FORMAT_VERSION} vocab={vocab_size} docs={num_docs}", build,
+                         lambda stats: "demo_vision corpus: " + format_image_stats(stats), progress)

@@ -40,11 +40,11 @@ import os
 import struct
 import warnings
 from pathlib import Path
-from typing import Dict, Optional, Tuple, Union
+from typing import Counter, Dict, Optional, Tuple, Union
 
 import numpy as np
 
-from megak3.data.config import DataError
+from megak3.data.errors import DataError
 
 MAGIC = b"MK3IMG\x00\x00"
 VERSION = 1
@@ -307,3 +307,17 @@ class ImageStore:
 def content_key(raw: bytes, H: int, W: int) -> bytes:
     """Deduplication key: the same file bytes fitted to the same size are one stored image."""
     return hashlib.sha1(raw).digest() + struct.pack("<QQ", H, W)
+
+
+def fit_image(path: PathLike, side: int, max_pixels: int = DEFAULT_MAX_PIXELS,
+              max_input_pixels: int = DEFAULT_MAX_INPUT_PIXELS, odd_modes: str = "convert",
+              counts: Optional[Counter] = None) -> Tuple[np.ndarray, bytes]:
+    """Load ``path`` and fit it to the grid (:func:`fit_to_grid`): (uint8 [H, W, 3], :func:`content_key`).
+
+    Raises :class:`ImageSkip` like :func:`load_image`; a converted mode is counted in ``counts`` as
+    ``converted_<mode>``."""
+    arr, raw, conv = load_image(path, max_input_pixels, odd_modes)
+    H, W = fit_to_grid(arr.shape[0], arr.shape[1], side, max_pixels)
+    if conv and counts is not None:
+        counts[f"converted_{conv}"] += 1
+    return resize_to(arr, H, W), content_key(raw, H, W)

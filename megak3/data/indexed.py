@@ -24,7 +24,7 @@ from typing import Union
 
 import numpy as np
 
-from megak3.data.config import PREPROCESS_HINT, DataError
+from megak3.data.errors import PREPROCESS_HINT, DataError
 
 MAGIC = b"MK3IDX\x00\x00"
 VERSION = 1

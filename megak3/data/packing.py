@@ -26,7 +26,7 @@ from typing import Dict, Iterator, List, Optional
 import numpy as np
 import torch
 
-from megak3.data.config import DataError
+from megak3.data.errors import DataError
 from megak3.data.indexed import IndexedDataset
 
 IGNORE_INDEX = -100

@@ -26,7 +26,7 @@ from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 from tqdm import tqdm
 
-from megak3.data.config import DataError
+from megak3.data.errors import DataError
 from megak3.data.indexed import IndexedDatasetBuilder, best_dtype
 from megak3.data.tokenizer import MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe_tokenizer
 

@@ -18,7 +18,7 @@ from typing import Iterable, List, Sequence, Union
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from megak3.data.config import DataError
+from megak3.data.errors import DataError
 
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|media|>")
 MIN_VOCAB = len(SPECIAL_TOKENS) + 256  # specials + the 256 byte symbols

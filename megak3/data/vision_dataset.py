@@ -43,10 +43,10 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from megak3.data.config import DataError
+from megak3.data.errors import DataError
 from megak3.data.images import SKIP_REASONS as _IMAGE_SKIPS
 from megak3.data.images import (DEFAULT_MAX_INPUT_PIXELS, DEFAULT_MAX_PIXELS, ImageSkip, ImageStore,
-                                ImageStoreBuilder, content_key, fit_to_grid, has_images, load_image, resize_to)
+                                ImageStoreBuilder, fit_image, fit_to_grid, has_images)
 from megak3.data.indexed import IndexedDataset, IndexedDatasetBuilder, best_dtype
 from megak3.data.packing import IGNORE_INDEX, PackedDataset, Sample
 from megak3.data.preprocessing import JSON_SUFFIXES, collect_input_files
@@ -78,14 +78,6 @@ def iter_records(files: Sequence[Path], text_key: str, image_key: str, counts: C
                 counts["bad_record"] += 1
                 continue
             yield f, lineno, obj[text_key], [str(Path(p) if os.path.isabs(p) else f.parent / p) for p in imgs]
-
-
-def _fit_image(path: str, side: int, max_pixels: int, max_input_pixels: int, odd_modes: str, counts: Counter):
-    arr, raw, conv = load_image(path, max_input_pixels, odd_modes)
-    H, W = fit_to_grid(arr.shape[0], arr.shape[1], side, max_pixels)
-    if conv:
-        counts[f"converted_{conv}"] += 1
-    return resize_to(arr, H, W), content_key(raw, H, W)
 
 
 def preprocess_image_text(inputs, output_prefix, tokenizer_path=None, train_tokenizer: bool = False,
@@ -146,7 +138,7 @@ def preprocess_image_text(inputs, output_prefix, tokenizer_path=None, train_toke
                 counts["empty_record"] += 1
                 continue
             try:
-                fitted = [_fit_image(p, side, max_pixels, max_input_pixels, odd_modes, counts) for p in paths]
+                fitted = [fit_image(p, side, max_pixels, max_input_pixels, odd_modes, counts) for p in paths]
             except ImageSkip as e:
                 counts[e.reason] += 1
                 continue
@@ -289,6 +281,25 @@ class VisionPackedDataset(PackedDataset):
         return row
 
 
+def check_model_fits_images(what: str, side: int, tokenizer: Tokenizer, model_cfg, no_images: str,
+                            rebuild: str) -> None:
+    """Raise :class:`DataError` unless the model can read the images of dataset ``what`` (fitted to
+    ``side`` = patch*merge pixels): its vision tower is on with the same patch*merge and its media
+    placeholder is the tokenizer's ``<|media|>`` id. ``no_images`` / ``rebuild`` name the fixes on the
+    data side (the alternative to enabling the tower; the command that re-fits the images)."""
+    v = model_cfg.vision
+    if not v.enabled:
+        raise DataError(f"{what} holds images but model.vision.enabled=false; enable the vision tower or "
+                        f"{no_images}")
+    if v.patch_size * v.merge != side:
+        raise DataError(f"{what} was fitted to patch*merge={side} pixels but the model has "
+                        f"model.vision.patch_size*merge={v.patch_size * v.merge}; {rebuild} with "
+                        f"--patch-size {v.patch_size} --merge {v.merge}")
+    if model_cfg.media_placeholder_token_id != tokenizer.media_id:
+        raise DataError(f"tokenizer {tokenizer.path} puts <|media|> at id {tokenizer.media_id} but "
+                        f"model.media_placeholder_token_id={model_cfg.media_placeholder_token_id}")
+
+
 def open_split(prefix, seq_len: int, split: str, valid_fraction: float, seed: int, tokenizer: Tokenizer,
                model_cfg=None, image_control: str = "real") -> PackedDataset:
     """The packed ``split`` of dataset ``prefix``: :class:`VisionPackedDataset` when it has an image
@@ -298,16 +309,7 @@ def open_split(prefix, seq_len: int, split: str, valid_fraction: float, seed: in
         return PackedDataset(dataset, seq_len, split, valid_fraction, seed, tokenizer.pad_id)
     store = ImageStore(prefix)
     if model_cfg is not None:
-        v = model_cfg.vision
-        if not v.enabled:
-            raise DataError(f"dataset {prefix} holds images but model.vision.enabled=false; enable the vision "
-                            "tower or use a text dataset")
-        if v.patch_size * v.merge != store.side:
-            raise DataError(f"dataset {prefix} was fitted to patch*merge={store.side} pixels but the model has "
-                            f"model.vision.patch_size*merge={v.patch_size * v.merge}; re-preprocess with "
-                            f"--patch-size {v.patch_size} --merge {v.merge}")
-        if model_cfg.media_placeholder_token_id != tokenizer.media_id:
-            raise DataError(f"tokenizer {tokenizer.path} puts <|media|> at id {tokenizer.media_id} but "
-                            f"model.media_placeholder_token_id={model_cfg.media_placeholder_token_id}")
+        check_model_fits_images(f"dataset {prefix}", store.side, tokenizer, model_cfg, "use a text dataset",
+                                "re-preprocess")
     return VisionPackedDataset(dataset, store, seq_len, split, valid_fraction, seed, tokenizer.pad_id,
                                tokenizer.media_id, image_control)

@@ -95,7 +95,7 @@ class Megak3LM(LM):
 
     def tok_encode(self, text: str) -> List[int]:
         if self._chat:  # after apply_chat_template: reserved strings are ids
-            from megak3.posttrain.chat import encode_chat_text
+            from megak3.data.chat import encode_chat_text
 
             return encode_chat_text(self.tok, text)
         return self.tok.encode(text)
@@ -112,7 +112,7 @@ class Megak3LM(LM):
         ctx = self.tok_encode(context)
         return (ctx if ctx else [self.eot_token_id]), whole[len(ctx):]
 
-    # ---- chat (--apply_chat_template): megak3's chat template (megak3/posttrain/chat.py), as text -------
+    # ---- chat (--apply_chat_template): megak3's chat template (megak3/data/chat.py), as text -------
     @property
     def tokenizer_name(self) -> str:
         return f"megak3:{getattr(self.tok, 'path', 'tokenizer')}"
@@ -123,7 +123,7 @@ class Megak3LM(LM):
     def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
         """The conversation as text with the reserved token strings; from here on the adapter encodes
         strings with :func:`encode_chat_text`, so they become the ids SFT trained on."""
-        from megak3.posttrain.chat import render_chat_text
+        from megak3.data.chat import render_chat_text
 
         self._chat = True
         return render_chat_text(self.tok, chat_history, add_generation_prompt)

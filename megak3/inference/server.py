@@ -24,7 +24,7 @@ but are not implemented (``echo``, ``best_of`` > 1, non-zero ``presence_penalty`
 ``frequency_penalty``, a non-empty ``logit_bias``) are refused; other fields are ignored.
 
 Chat messages are rendered with megak3's chat template, the one SFT trains on
-(megak3/posttrain/chat.py: ``<|bos|>role\\n content <|eos|>`` per message from the tokenizer's reserved
+(megak3/data/chat.py: ``<|bos|>role\\n content <|eos|>`` per message from the tokenizer's reserved
 ids, then the open ``<|bos|>assistant\\n`` header); roles are system, user, assistant or tool.
 
 Bad requests (malformed JSON, a wrong type or value, a prompt that leaves no room in the context)
@@ -245,7 +245,7 @@ class Service:
     def chat_prompt(self, body) -> List[List[int]]:
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")
-        from megak3.posttrain.chat import ChatFormatError, generation_prompt
+        from megak3.data.chat import ChatFormatError, generation_prompt
 
         try:
             ids = generation_prompt(self.engine.tokenizer, body.get("messages"))

@@ -1,8 +1,9 @@
-"""Post-training: supervised fine-tuning on chat data and RL with partial rollouts.
+"""Post-training: RL with partial rollouts (SFT is the trainer on chat data).
 
-    chat.py       the chat template (role headers framed by <|bos|> ... <|eos|>) and its training mask
-    sft_data.py   chat JSON lines -> SFT indexed dataset + mask twin -> packed rows of whole conversations
-    demo_sft.py   the built-in chat corpus (data=demo_sft) and its verifiable tasks
+The data pieces live in megak3/data/: chat.py (the chat template and its training mask), sft.py (chat
+JSON lines -> SFT indexed dataset + mask twin -> packed rows of whole conversations), demo_sft.py (the
+built-in chat corpus, data=demo_sft, and its verifiable tasks).
+
     objective.py  group advantages, truncated per-token staleness weights, the clipped policy loss
     rewards.py    exact answers, the effort-control override, MOPD's per-token reward
     buffer.py     rollouts with a policy version and a behaviour logprob per token; the rollout buffer

@@ -46,9 +46,9 @@ def _set(obj, dotted: str, raw: str, prefix: str) -> None:
 
 
 def accuracy(engine, tokenizer, task: str, n: int) -> float:
+    from megak3.data.chat import generation_prompt
+    from megak3.data.demo_sft import rl_prompts
     from megak3.inference import SamplingParams
-    from megak3.posttrain.chat import generation_prompt
-    from megak3.posttrain.demo_sft import rl_prompts
     from megak3.posttrain.rewards import exact_answer
 
     pairs = rl_prompts(n, task, seed=10 ** 6)  # held out: RL prompts use seeds < 10**6

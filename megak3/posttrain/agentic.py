@@ -36,11 +36,11 @@ import math
 import time
 from typing import Dict, List, Optional
 
+from ..data.chat import generation_prompt
 from ..envs.driver import EpisodeDriver, Transcript
 from ..envs.pool import EnvPool
 from ..envs.tasks import make_task
 from .buffer import Rollout
-from .chat import generation_prompt
 from .rl import RLRunner
 
 CHECKPOINT_INTERVAL = 64

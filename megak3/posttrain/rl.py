@@ -43,6 +43,7 @@ from parallel.parallelize import sync_partial_grads
 from parallel.plan import canonical_name
 from parallel.state import ParallelState
 
+from ..data.chat import generation_prompt
 from ..data.packing import IGNORE_INDEX
 from ..inference import Engine, SamplingParams
 from ..model.k3 import build_model
@@ -50,7 +51,6 @@ from ..quant import apply_quantization
 from ..train.config import JobConfig
 from ..train.step import RankStep, all_reduce_sum
 from .buffer import Rollout, RolloutBuffer
-from .chat import generation_prompt
 from .objective import LossConfig, group_advantages, policy_loss, staleness_weights, token_logprobs
 from .rewards import effort_override, exact_answer, mopd_rewards
 from .rollout import PartialRollouts
@@ -75,7 +75,7 @@ class RLConfig:
     micro_batch_size: int = 16
     """rollouts per forward/backward of the update"""
     task: str = "add"
-    """the verifiable demo task family (megak3/posttrain/demo_sft.py FAMILIES)"""
+    """the verifiable demo task family (megak3/data/demo_sft.py FAMILIES)"""
     shuffle_rewards: bool = False
     """control: permute the rewards across the update's samples"""
     effort_tau: float = 0.0
@@ -120,7 +120,7 @@ class RLConfig:
         need(self.effort_tau == 0 or self.effort_budget > 0, "effort_budget", "must be > 0 with rl.effort_tau > 0")
         need(self.mopd_r_max > 0, "mopd_r_max", "must be > 0")
         need(self.engine_dtype in ("float32", "bfloat16"), "engine_dtype", "must be 'float32' or 'bfloat16'")
-        from .demo_sft import FAMILIES
+        from ..data.demo_sft import FAMILIES
 
         need(self.task in FAMILIES, "task", f"must be one of {', '.join(FAMILIES)}")
         from ..envs.tasks import FAMILIES as ENV_FAMILIES
@@ -224,7 +224,7 @@ def response_batch(samples: List[Rollout], pad_id: int, multiple: int = 1, rows:
 
 
 def prompt_stream(tokenizer, task: str, seed: int) -> Iterator[tuple]:
-    from .demo_sft import rl_prompts
+    from ..data.demo_sft import rl_prompts
 
     k = 0
     while True:

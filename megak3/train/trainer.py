@@ -38,7 +38,7 @@ from ..metrics.logger import TrainLogger
 from ..metrics.telemetry import GPUTelemetry, Throughput, peak_memory_mb
 from ..model.balancing import max_violation
 from ..model.k3 import K3Model
-from ..posttrain.sft_data import is_sft_dataset, open_sft_split
+from ..data.sft import is_sft_dataset, open_sft_split
 from . import checkpoint as ckpt
 from . import shard_store as ckpt_store
 from . import summary
@@ -101,7 +101,7 @@ class Trainer:
         # text, or image-text when the dataset has an image store (megak3/data/vision_dataset.py)
         split = lambda name: open_split(prefix, d.seq_len, name, d.valid_fraction, d.seed, self.tokenizer,
                                         job.model)  # noqa: E731
-        if is_sft_dataset(prefix):  # chat data with an assistant-only loss mask (megak3/posttrain/sft_data.py)
+        if is_sft_dataset(prefix):  # chat data with an assistant-only loss mask (megak3/data/sft.py)
             split = lambda name: open_sft_split(prefix, d.seq_len, name, d.valid_fraction, d.seed,  # noqa: E731
                                                 self.tokenizer, job.model)
         self.train_data = Batcher(split("train"), t.micro_batch_size, ps.dp_rank, ps.dp_size)

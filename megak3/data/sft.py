@@ -1,14 +1,14 @@
 """SFT data: chat JSON lines -> an indexed dataset plus a loss mask -> packed rows of whole conversations.
 
 On disk an SFT dataset is an ordinary indexed dataset (``prefix.bin/.idx``: one document per
-conversation, the ids of :func:`megak3.posttrain.chat.encode_chat`) and a twin ``prefix.mask``
+conversation, the ids of :func:`megak3.data.chat.encode_chat`) and a twin ``prefix.mask``
 indexed dataset of the same document lengths holding 1 where a token is trained on (assistant
 content and its closing eos), 0 elsewhere. The twin is what makes ``data.path=PREFIX`` train as SFT:
 the trainer opens it with :func:`open_sft_split` when :func:`is_sft_dataset` finds it.
 
 Preprocess your own chat data with the tokenizer of the model you fine-tune::
 
-    python -m megak3.posttrain.sft_data --input chats.jsonl --output-prefix data/sft/chat \\
+    python -m megak3.data.sft --input chats.jsonl --output-prefix data/sft/chat \\
         --tokenizer runs/pretrain/tokenizer.json
 
 Images (``"images": [...]`` on a message, paths relative to the JSON-lines file): each image is fitted to the
@@ -38,11 +38,12 @@ from typing import Dict, Iterable, Iterator, List, Tuple
 
 import numpy as np
 
-from megak3.data.config import DataError
-from megak3.data.images import ImageStore, has_images
+from megak3.data.chat import ChatFormatError, check_messages, conversation_images, encode_chat
+from megak3.data.errors import DataError
+from megak3.data.images import ImageStore, fit_image, has_images
 from megak3.data.indexed import IndexedDataset, IndexedDatasetBuilder, best_dtype
 from megak3.data.packing import IGNORE_INDEX, Sample, split_documents
-from megak3.posttrain.chat import ChatFormatError, check_messages, conversation_images, encode_chat
+from megak3.data.vision_dataset import check_model_fits_images
 
 MASK_SUFFIX = ".mask"
 
@@ -83,10 +84,7 @@ def write_sft_dataset(conversations: Iterable[List[dict]], prefix, tokenizer, pa
     """Encode ``conversations`` with the chat template into ``prefix`` (+ its mask twin, + the image side
     store when a conversation has images: fitted to multiples of ``patch_size * merge`` pixels, at most
     ``max_pixels``, 0: the data pipeline's default); return counts."""
-    from collections import Counter
-
-    from megak3.data.images import DEFAULT_MAX_INPUT_PIXELS, DEFAULT_MAX_PIXELS, ImageSkip, ImageStoreBuilder
-    from megak3.data.vision_dataset import _fit_image
+    from megak3.data.images import DEFAULT_MAX_PIXELS, ImageSkip, ImageStoreBuilder
 
     side = patch_size * merge
     max_pixels = max_pixels or DEFAULT_MAX_PIXELS
@@ -100,8 +98,7 @@ def write_sft_dataset(conversations: Iterable[List[dict]], prefix, tokenizer, pa
                 fitted = []
                 for path in conversation_images(msgs):
                     try:
-                        fitted.append(_fit_image(path, side, max_pixels, DEFAULT_MAX_INPUT_PIXELS, "convert",
-                                                  Counter()))
+                        fitted.append(fit_image(path, side, max_pixels))
                     except ImageSkip as e:
                         raise DataError(f"image {path}: {e}; fix or remove it") from None
                 ids, mask = encode_chat(tokenizer, msgs, [(a.shape[0] // side) * (a.shape[1] // side)
@@ -147,7 +144,7 @@ class SFTPackedDataset:
         self.mask = IndexedDataset(str(prefix) + MASK_SUFFIX)
         if not np.array_equal(self.dataset.doc_lengths, self.mask.doc_lengths):
             raise DataError(f"{prefix}{MASK_SUFFIX} does not match {prefix} (different document lengths); "
-                            "re-run python -m megak3.posttrain.sft_data for this dataset")
+                            "re-run python -m megak3.data.sft for this dataset")
         self.seq_len, self.split, self.seed, self.pad_id = seq_len, split, seed, pad_id
         self.docs = split_documents(len(self.dataset), split, valid_fraction)
         if len(self.docs) == 0:
@@ -163,7 +160,7 @@ class SFTPackedDataset:
             self.store, self.media_id = ImageStore(prefix), media_id
             if self.store.num_docs != len(self.dataset):
                 raise DataError(f"{self.store.idx_path} describes {self.store.num_docs} conversations but {prefix} "
-                                f"has {len(self.dataset)}; re-run python -m megak3.posttrain.sft_data")
+                                f"has {len(self.dataset)}; re-run python -m megak3.data.sft")
             long = [int(d) for d in self.docs
                     if self.dataset.doc_lengths[d] > seq_len and len(self.store.doc_images(d))]
             if long:
@@ -232,24 +229,15 @@ def open_sft_split(prefix, seq_len: int, split: str, valid_fraction: float, seed
     """The packed ``split`` of the SFT dataset ``prefix`` (what the trainer opens for SFT data); with
     ``model_cfg``, a dataset with images is checked against the model's vision tower first."""
     if model_cfg is not None and has_images(prefix):
-        v, side = model_cfg.vision, ImageStore(prefix).side
-        if not v.enabled:
-            raise DataError(f"SFT dataset {prefix} holds images but model.vision.enabled=false; enable the vision "
-                            "tower or write the dataset without images")
-        if v.patch_size * v.merge != side:
-            raise DataError(f"SFT dataset {prefix} was fitted to patch*merge={side} pixels but the model has "
-                            f"model.vision.patch_size*merge={v.patch_size * v.merge}; re-run sft_data with "
-                            f"--patch-size {v.patch_size} --merge {v.merge}")
-        if model_cfg.media_placeholder_token_id != tokenizer.media_id:
-            raise DataError(f"the tokenizer puts <|media|> at id {tokenizer.media_id} but "
-                            f"model.media_placeholder_token_id={model_cfg.media_placeholder_token_id}")
+        check_model_fits_images(f"SFT dataset {prefix}", ImageStore(prefix).side, tokenizer, model_cfg,
+                                "write the dataset without images", "re-run python -m megak3.data.sft")
     return SFTPackedDataset(prefix, seq_len, split, valid_fraction, seed, tokenizer.pad_id, tokenizer.media_id)
 
 
 def main(argv=None) -> int:
     from megak3.data.tokenizer import load_tokenizer
 
-    ap = argparse.ArgumentParser(prog="python -m megak3.posttrain.sft_data",
+    ap = argparse.ArgumentParser(prog="python -m megak3.data.sft",
                                  description="chat JSON lines -> SFT indexed dataset (+ loss mask)")
     ap.add_argument("--input", nargs="+", required=True, help="chat .jsonl files")
     ap.add_argument("--output-prefix", required=True, help="dataset prefix to write (prefix.bin/.idx + prefix.mask)")

@@ -14,12 +14,11 @@ turn, so the assistant-only mask is exercised on multi-turn data. :func:`task` g
 messages and the exact answer of any family for RL (megak3/posttrain/rewards.py scores it).
 
 The byte-level BPE tokenizer is trained on the corpus's rendered text (chat template included) and
-the dataset is written by :func:`megak3.posttrain.sft_data.write_sft_dataset`; built once per
+the dataset is written by :func:`megak3.data.sft.write_sft_dataset`; built once per
 (format, vocab size, conversation count) under the data cache, atomically like the text demo.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 from pathlib import Path
@@ -27,9 +26,10 @@ from typing import List, Tuple
 
 import numpy as np
 
+from megak3.data.demo_cache import PREFIX_NAME, cached_corpus
+
 FORMAT_VERSION = 1
 NUM_CONVERSATIONS = 6000
-PREFIX_NAME = "data"
 FAMILIES = ("add", "next", "reverse", "upper", "first")
 WORDS = ("apple", "river", "stone", "cloud", "tiger", "green", "house", "light", "music", "ocean", "plant",
          "queen", "sugar", "table", "water", "zebra", "bread", "chair", "dream", "earth", "flame", "grape",
@@ -78,27 +78,21 @@ def rl_prompts(n: int, family: str = "add", seed: int = 0) -> List[Tuple[List[di
 def build_demo_sft_dataset(cache_dir, vocab_size: int = 512, num_conversations: int = NUM_CONVERSATIONS,
                            progress: bool = True) -> Tuple[str, str]:
     """Build (once) and return ``(prefix, tokenizer_path)`` of the chat demo under ``cache_dir``."""
-    from megak3.data.demo import publish_cache_entry
+    from megak3.data.sft import write_sft_dataset
     from megak3.data.tokenizer import train_bpe_tokenizer
-    from megak3.posttrain.sft_data import write_sft_dataset
-
-    key = hashlib.sha256(f"megak3-demo-sft v{FORMAT_VERSION} vocab={vocab_size} n={num_conversations}".encode())
-    entry = Path(os.path.expanduser(str(cache_dir))) / f"demo-sft-v{vocab_size}-{key.hexdigest()[:16]}"
-    prefix, tok_path = entry / PREFIX_NAME, entry / "tokenizer.json"
 
     def build(tmp: Path) -> dict:
         convs = [conversation(i) for i in range(num_conversations)]
         text = ("\n".join(f"{m['role']}\n{m['content']}" for m in c) for c in convs)
         tok = train_bpe_tokenizer(text, vocab_size, tmp / "tokenizer.json")
         stats = write_sft_dataset(convs, tmp / PREFIX_NAME, tok)
-        stats.update(prefix=str(prefix), tokenizer=str(tok_path), vocab_size=tok.vocab_size)
+        stats.update(vocab_size=tok.vocab_size)
         return stats
 
-    stats = publish_cache_entry(entry, build)
-    if stats is not None and progress:
-        print(f"demo_sft corpus: {stats['conversations']} conversations, {stats['tokens']} tokens "
-              f"({stats['trained_tokens']} trained)", file=sys.stderr)
-    return str(prefix), str(tok_path)
+    return cached_corpus(cache_dir, f"demo-sft-v{vocab_size}",
+                         f"megak3-demo-sft v{FORMAT_VERSION} vocab={vocab_size} n={num_conversations}", build,
+                         lambda stats: f"demo_sft corpus: {stats['conversations']} conversations, {stats['tokens']} "
+                                       f"tokens ({stats['trained_tokens']} trained)", progress)
 
 
 COLOURS = {"red": (220, 20, 20), "blue": (20, 20, 220), "green": (20, 200, 20)}
@@ -134,7 +128,7 @@ if __name__ == "__main__":
     import argparse
     import json
 
-    ap = argparse.ArgumentParser(prog="python -m megak3.posttrain.demo_sft",
+    ap = argparse.ArgumentParser(prog="python -m megak3.data.demo_sft",
                                  description="write the colour-naming image-chat check (real and blind arms)")
     ap.add_argument("--colour-chats", required=True, metavar="DIR", help="output directory")
     ap.add_argument("-n", type=int, default=150, help="conversations")

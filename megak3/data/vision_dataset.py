@@ -39,7 +39,7 @@ import time
 from bisect import bisect_left, bisect_right
 from collections import Counter
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import numpy as np
 

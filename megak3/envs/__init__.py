@@ -1,7 +1,8 @@
 """Agent environments: recoverable process sandboxes for multi-turn tool use (docs/INTERFACES.md)."""
 from megak3.envs.driver import EpisodeDriver
 from megak3.envs.env import Environment, SandboxEnv, StepResult
-from megak3.envs.pool import EnvError, EnvPool, WorkerDied
+from megak3.envs.pool import EnvError, EnvPool
+from megak3.envs.process_backend import WorkerDied
 from megak3.envs.sandbox import SandboxLimits
 from megak3.envs.snapshot import SnapshotStore
 from megak3.envs.tasks import make_task

@@ -1,8 +1,9 @@
 """A pool of environment workers: episodes spread over worker processes, recovered from snapshots.
 
 ``EnvPool(num_workers, store_dir, backend="process" | "ray")``. Each worker is a
-``python -m megak3.envs.worker`` process (backend ``process``: a child of this process; backend
-``ray``: owned by a Ray actor, one per worker, placed by Ray — see ``ray_backend``). The pool keeps,
+``python -m megak3.envs.worker`` process (backend ``process``: a child of this process, see
+``process_backend``; backend ``ray``: owned by a Ray actor, one per worker, placed by Ray — see
+``ray_backend``). The pool keeps,
 per episode, its worker and its last snapshot id; with ``snapshot_every_step`` (the default) every
 ``reset``/``step`` ends with a snapshot, so the last snapshot is the state after the last completed
 step. When a worker dies (its process ends, its pipe breaks, its Ray actor dies, or a reply takes
@@ -13,98 +14,19 @@ once. ``checkpoint()`` is the JSON the RL checkpoint stores (store path + last s
 """
 from __future__ import annotations
 
-import json
 import os
-import select
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from megak3.envs.env import StepResult
-from megak3.envs.sandbox import SandboxLimits, _pdeathsig, remove_stale_cgroups, remove_tree
+from megak3.envs.process_backend import ProcessWorker, WorkerDied
+from megak3.envs.sandbox import SandboxLimits, remove_stale_cgroups, remove_tree
 from megak3.envs.toolcall import ToolCall
-
-
-class WorkerDied(Exception):
-    pass
 
 
 class EnvError(Exception):
     """A request the worker refused (unknown episode, bad task spec, ...)."""
-
-
-def worker_command(store: str, base: str, limits: Dict) -> List[str]:
-    return [sys.executable, "-m", "megak3.envs.worker", "--store", store, "--base", base,
-            "--limits", json.dumps(limits)]
-
-
-class _Future:
-    def __init__(self, fn):
-        self.result = fn
-
-
-class ProcessWorker:
-    """A worker child process; requests are pipelined and answered in order (stderr: ``base/worker.log``).
-
-    The worker exits when its stdin closes, i.e. when this process ends (after the command it is running,
-    at most ``wall_seconds``). No parent-death signal by default: that signal follows the *thread* that
-    started the worker, and the pool may start replacements from any thread.
-    """
-
-    def __init__(self, store: str, base: str, limits: Dict, reply_timeout: float, die_with_parent: bool = False):
-        self.reply_timeout = reply_timeout
-        os.makedirs(base, exist_ok=True)
-        cmd = worker_command(store, base, limits) + (["--die-with-parent"] if die_with_parent else [])
-        with open(os.path.join(base, "worker.log"), "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                         preexec_fn=_pdeathsig if die_with_parent else None,
-                                         env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
-        self.buf = b""
-        self.isolation = self.submit({"op": "info"}).result()["isolation"]
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def submit(self, req: Dict):
-        try:
-            self.proc.stdin.write((json.dumps(req) + "\n").encode())
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError) as e:
-            raise WorkerDied(f"worker {self.pid}: {e}") from None
-        return _Future(self._next_reply)
-
-    def _next_reply(self) -> Dict:
-        fd, deadline = self.proc.stdout.fileno(), time.monotonic() + self.reply_timeout
-        while b"\n" not in self.buf:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                self.kill()
-                raise WorkerDied(f"worker {self.pid}: no reply in {self.reply_timeout:g} s")
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                self.proc.wait()
-                raise WorkerDied(f"worker {self.pid} exited (status {self.proc.returncode})")
-            self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
-        return json.loads(line)
-
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Dict
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from megak3.envs.pool import ProcessWorker, WorkerDied
+from megak3.envs.process_backend import ProcessWorker, WorkerDied
 
 
 def ensure_ray(num_cpus: int = None):

@@ -31,27 +31,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import List, Optional
 
+from megak3.inference.options import Parser, add_model_args, load_engine
+from megak3.inference.server import serve_main
+
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 """per-prompt fields a JSONL line may set"""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True,
-                   help="run dir, checkpoint dir (any layout) or Hugging Face export dir")
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument("--dtype", default="float32", help="compute dtype (default float32)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m megak3.generate", description=__doc__.split("\n\n")[0],
-                epilog="serve: python -m megak3.generate serve --checkpoint PATH --port N (see --help there)",
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m megak3.generate", description=__doc__.split("\n\n")[0],
+               epilog="serve: python -m megak3.generate serve --checkpoint PATH --port N (see --help there)",
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for several)")
@@ -133,36 +123,6 @@ def encode_prompts(engine, texts: List[str]) -> List[List[int]]:
     return out
 
 
-def check_checkpoint_path(path: str) -> None:
-    if not Path(path).expanduser().exists():
-        raise ValueError(f"--checkpoint {path}: no such file or directory; give a megak3 run dir, checkpoint dir "
-                         "or Hugging Face export dir")
-
-
-def check_device(device: str) -> None:
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"--device {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: this machine has no CUDA device; use --device cpu")
-
-
-def load_engine(a):
-    from megak3.inference import Engine
-
-    import torch
-
-    check_checkpoint_path(a.checkpoint)
-    check_device(a.device)
-    if a.threads < 1:
-        raise ValueError(f"--threads {a.threads} must be >= 1")
-    torch.set_num_threads(a.threads)
-    return Engine.from_pretrained(a.checkpoint, device=a.device, dtype=a.dtype)
-
-
 def generate_main(argv: Optional[List[str]] = None) -> int:
     from megak3.inference import SamplingParams
 
@@ -204,7 +164,5 @@ def generate_main(argv: Optional[List[str]] = None) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:
-        from megak3.inference.server import serve_main
-
         return serve_main(argv[1:])
     return generate_main(argv)

@@ -69,7 +69,7 @@ class Megak3LM(LM):
             if not checkpoint:
                 raise ValueError("lm-eval model megak3: give --model_args checkpoint=PATH (a megak3 run dir, "
                                  "checkpoint dir or Hugging Face export dir)")
-            from megak3.inference.cli import check_checkpoint_path
+            from megak3.inference.options import check_checkpoint_path
             from megak3.inference import Engine
 
             check_checkpoint_path(str(checkpoint))

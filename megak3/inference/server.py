@@ -33,7 +33,6 @@ unknown model 404, an unknown path 404; the server goes on serving.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import queue
 import sys
@@ -44,6 +43,8 @@ from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
+
+from megak3.inference.options import Parser, add_model_args, load_engine
 
 MAX_BODY_BYTES = 32 << 20
 _REFUSED = (("echo", lambda v: bool(v), "echo is not supported"),
@@ -414,9 +415,7 @@ def make_server(engine, host: str = "127.0.0.1", port: int = 0, model_name: str 
 
 
 def serve_main(argv: Optional[List[str]] = None) -> int:
-    from megak3.inference.cli import _Parser, add_model_args, load_engine
-
-    p = _Parser(prog="python -m megak3.generate serve", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m megak3.generate serve", description=__doc__.split("\n\n")[0])
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")

@@ -104,7 +104,7 @@ def test_sft_step_with_an_image_trains_the_tower(tmp_path, tok):
 def test_open_sft_split_checks_the_vision_tower(tmp_path, tok):
     from conftest import SMALL_MODEL
     from megak3.config import load_model_config
-    from megak3.data.config import DataError
+    from megak3.data.errors import DataError
     from megak3.data.sft import open_sft_split
 
     prefix, _ = _write(tmp_path, tok, [CONV])

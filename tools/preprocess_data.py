@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from megak3.data.config import DataError  # noqa: E402
+from megak3.data.errors import DataError  # noqa: E402
 from megak3.data.images import DEFAULT_MAX_INPUT_PIXELS, DEFAULT_MAX_PIXELS  # noqa: E402
 from megak3.data.preprocessing import format_stats, preprocess  # noqa: E402
 from megak3.data.vision_dataset import format_image_stats, preprocess_image_text  # noqa: E402

@@ -33,7 +33,7 @@ class EnvWorkerActor:
     def call(self, req: Dict) -> Dict:
         try:
             return self.worker.submit(req).result()
-        except WorkerDied as e:                  # the worker process died: let this actor die with it
+        except WorkerDied:                       # the worker process died: let this actor die with it
             os._exit(1)
 
     def describe(self):

@@ -1,4 +1,4 @@
-"""ZeRO-1 ShardedOptimizer (parallel/data_parallel.py) against single-process megak3.optim training.
+"""ZeRO-1 ShardedOptimizer (parallel/data_parallel/) against single-process megak3.optim training.
 
 Multi-rank tests run N ranks as threads on torch's threaded process group (real data exchange, no
 processes); one test runs two gloo processes to check the collectives the production CPU backend

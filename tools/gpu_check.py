@@ -6,7 +6,7 @@
     python tools/gpu_check.py                              # no GPU: one 'skip: <part>: <reason>' line each, exit 0
 
 Parts (each compares a fast path with its twin measured in the same run, or measures one number):
-  a fla_kda        fla's Triton ``chunk_kda`` called the way megak3/ops/kda.py ``kda()`` calls it, bf16
+  a fla_kda        fla's Triton ``chunk_kda`` called the way megak3/ops/kda/dispatch.py ``kda()`` calls it, bf16
                    inputs, vs our chunked KDA in fp32 on the same values (with and without documents);
                    output and final state within a bf16 tolerance; time ratio
   b mla_attention  megak3/ops/attention.py ``attention()`` (SDPA without documents, FlexAttention with

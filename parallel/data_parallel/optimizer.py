@@ -173,7 +173,7 @@ class ShardedOptimizer(GradReduction, ParamGather, OptimizerState):
                         ks.append(k)
             for blk, ks in waits.values():  # prepend: before any pre-hook of the model's own
                 self._hooks.append(blk.register_forward_pre_hook(self._make_gather_hook(ks), prepend=True))
-            for m in model.modules():  # model.state_dict() / load_state_dict(): checkpoints, consolidation
+            for m in model.modules():  # model.state_dict() / load_state_dict(): checkpoints
                 self._hooks.append(m.register_state_dict_pre_hook(lambda *_: self.finish_param_gather()))
                 self._hooks.append(m.register_load_state_dict_pre_hook(lambda *_: self.finish_param_gather()))
 

@@ -149,8 +149,8 @@ def load_consolidated_state(sharded_opt, full_state: dict,
     for every param) into the :class:`~parallel.data_parallel.ShardedOptimizer` ``sharded_opt``.
 
     For every param this rank owns, its state tensors become the local Muon/AdamW state of the
-    owner's main copy; ``{}`` clears it (never stepped); entries of params owned elsewhere are only
-    checked for their names and optimizer. With ``shard_dim`` (canonical name -> TP-sharded dim,
+    owner's main copy; ``{}`` clears it (never stepped); the entries of params owned elsewhere must
+    exist but are not read. With ``shard_dim`` (canonical name -> TP-sharded dim,
     None = replicated: ``ParallelPlan.tp_shard_dim``) the state holds FULL tensors and each is
     sliced to this rank's TP shard: chunk ``tp_rank`` of ``tp`` along its dim, where tp and tp_rank
     are those of the optimizer's ``tp_group`` (:meth:`ShardedOptimizer.set_tensor_parallel`);

@@ -45,7 +45,7 @@ LM_EVAL = "lm-eval>=0.4.13,<0.5"   # tested 0.4.13; installs against the pinned 
 EXTRAS = {
     # GPU-only accelerators; every path they serve has a pure-torch twin used on CPU.
     # NVIDIA apex is not on PyPI (PyPI's "apex" is unrelated) and is only imported if the user built it.
-    # fla-core 0.4.2 added chunk_kda's safe_gate / lower_bound / cu_seqlens_cpu (megak3/ops/kda.py);
+    # fla-core 0.4.2 added chunk_kda's safe_gate / lower_bound / cu_seqlens_cpu (megak3/ops/kda/dispatch.py);
     # TE 2.2 has Float8CurrentScaling and MXFP8BlockScaling, TE 2.3 added Float8BlockScaling (Hopper,
     # CUDA >= 12.9); megak3/quant/te.py picks per GPU, CUDA and TE version and refuses delayed scaling
     "gpu": ["transformer_engine[pytorch]>=2.2", "fla-core>=0.4.2,<0.6"],

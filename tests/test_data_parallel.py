@@ -1,4 +1,4 @@
-"""ZeRO-1 ShardedOptimizer (parallel/data_parallel.py) against single-process megak3.optim training.
+"""ZeRO-1 ShardedOptimizer (parallel/data_parallel/) against single-process megak3.optim training.
 
 Multi-rank tests run N ranks as threads on torch's threaded process group (real data exchange, no
 processes); one test runs two gloo processes to check the collectives the production CPU backend
@@ -467,6 +467,40 @@ def test_canonical_export_round_trip_single_process():
     bad = {**saved, "state": {**saved["state"], "lm_head.weight": {"exp_avg": torch.zeros(3)}}}
     with pytest.raises(ValueError, match="has shape"):
         load_consolidated_state(opt2, bad, None)
+
+
+def test_load_consolidated_state_slices_full_tensors_to_the_tp_shard():
+    """With the TP shard dims, each TP rank takes chunk tp_rank of every sharded state tensor (here
+    a vocab-parallel AdamW embedding, dim 0, and a row-parallel Muon o_proj, dim 1); replicated
+    params and scalars are taken whole. Without them a full tensor is a shape error."""
+    base = tiny_model()
+    opt = ShardedOptimizer(base, CFG, None)
+    fp32_newton_schulz(opt)
+    ids, labels = make_batches(64, rows=2, seq=8, steps=1)[0]
+    (tiny_loss_sum(base, ids, labels) / (labels != -100).sum()).backward()
+    opt.reduce_gradients()
+    set_lr(opt, lr_at(0, CFG, STEPS))
+    opt.step()
+    saved = opt.export_state()
+    dims = {"embed_tokens.weight": 0, "layers.0.self_attn.o_proj.weight": 1}
+    shard_dim = {n: dims.get(n) for n in saved["state"]}
+    full = {**saved, "state": {n: {k: torch.cat([v, v + 1], dims[n]) if n in dims and v.ndim else v
+                                   for k, v in st.items()} for n, st in saved["state"].items()}}
+
+    def load(rank, group):
+        o = ShardedOptimizer(copy.deepcopy(base), CFG, None)
+        o.set_tensor_parallel(group, shard_dim)
+        load_consolidated_state(o, full, shard_dim)
+        with pytest.raises(ValueError, match="has shape"):
+            load_consolidated_state(ShardedOptimizer(copy.deepcopy(base), CFG, None), full)
+        return o.export_state()["state"]
+
+    for rank, got in enumerate(run_threaded(2, load)):
+        for n, st in saved["state"].items():
+            assert got[n].keys() == st.keys() and st, n
+            for k, v in st.items():
+                want = v + rank if n in dims and v.ndim else v
+                assert torch.equal(torch.as_tensor(got[n][k]), torch.as_tensor(want)), (rank, n, k)
 
 
 def test_norm_partition_sums_squares_over_ranks_holding_different_params():

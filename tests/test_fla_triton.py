@@ -1,4 +1,4 @@
-"""megak3's calls into fla's Triton chunk_kda (megak3/ops/kda.py `kda`, kda_cp, the KDA layer).
+"""megak3's calls into fla's Triton chunk_kda (megak3/ops/kda/dispatch.py `kda`, kda_cp, the KDA layer).
 
 Main suite (no Triton needed): a fake chunk_kda stands in for fla's and records what megak3 hands
 it -- the layer's gate bound as lower_bound (fla's safe_gate tiles only for bounds in [-5, 0)), the
@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import megak3.ops.kda as kda_ops
+import megak3.ops.kda.dispatch as kda_ops
 from megak3.config import ModelConfig
 from megak3.model.kda import KimiDeltaAttention
 from megak3.model.seqinfo import make_seq_info

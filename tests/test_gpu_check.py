@@ -15,6 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
 import gpu_check  # noqa: E402
+from gpu_checks import attention as gpu_attention  # noqa: E402
+from gpu_checks import common as gpu_common  # noqa: E402
+from gpu_checks import training as gpu_training  # noqa: E402
 
 
 def test_no_gpu_mode_prints_one_skip_line_per_part_and_exits_0(tmp_path):
@@ -49,10 +52,10 @@ def test_cpu_dry_pass_runs_b_to_d_against_their_twins(dry_report):
     assert att["fp32/docs/attention_vs_reference"]["rel_err"] < 1e-5
     assert att["fp32/docs/dq"]["rel_err"] < 1e-5
     # bf16 outputs: rounding of the output, ~2^-9, far from 0 and within the bf16 tolerance
-    assert 1e-4 < att["bf16/docs/attention_vs_reference"]["rel_err"] < gpu_check.TOL_BF16
+    assert 1e-4 < att["bf16/docs/attention_vs_reference"]["rel_err"] < gpu_common.TOL_BF16
     gg = report["parts"]["grouped_gemm"]
     assert gg["checks"]["tiled_fp32/out"]["rel_err"] < 1e-6
-    assert gg["checks"]["grouped_mm_bf16/dw"]["rel_err"] < gpu_check.TOL_BF16
+    assert gg["checks"]["grouped_mm_bf16/dw"]["rel_err"] < gpu_common.TOL_BF16
     assert sum(1 for c in gg["checks"].values() if c["ok"]) == len(gg["checks"]) >= 9
     tp = report["parts"]["throughput"]
     assert tp["tokens_per_s"] > 0 and 0 < tp["mfu"] < 1
@@ -66,7 +69,7 @@ def test_cpu_dry_pass_runs_b_to_d_against_their_twins(dry_report):
     # the repeated batch's loss falls every step and by a real margin (~10% over 5 steps here)
     losses = tp["losses"]
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
-    assert losses[-1] < (1 - 2 * gpu_check.LOSS_DROP_MIN) * losses[0], losses
+    assert losses[-1] < (1 - 2 * gpu_training.LOSS_DROP_MIN) * losses[0], losses
     assert tp["checks"]["loss_falls_on_repeated_batch"]["ok"]
     # every grouped_mm call of the training path (forward, backward, deferred dW) within the CUDA rules
     assert gg["grouped_mm_calls"] == {"autocast": 3, "deferred": 3, "rules_broken": []}
@@ -94,7 +97,7 @@ def _fake_cuda_memory(monkeypatch, events):
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: events.append("reset_peak"))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 123)
-    monkeypatch.setattr(gpu_check, "sync", lambda dev: None)
+    monkeypatch.setattr(gpu_attention, "sync", lambda dev: None)
 
 
 def test_attention_peak_memory_is_measured_cold(monkeypatch):
@@ -108,7 +111,7 @@ def test_attention_peak_memory_is_measured_cold(monkeypatch):
     real = A.attention
     monkeypatch.setattr(A, "attention", lambda *a, **k: (events.append("attention"), real(*a, **k))[1])
     A._block_mask_cache[:] = [("stale", None, None)]
-    assert gpu_check._peak_bytes(torch.device("cpu"), 1, 2, 64, 8, 8, docs=True) == 123
+    assert gpu_attention._peak_bytes(torch.device("cpu"), 1, 2, 64, 8, 8, docs=True) == 123
     assert events.count("attention") == 1, events
     first = events.index("attention")
     assert "empty_cache" in events[:first] and events[first - 1] == "reset_peak", events
@@ -121,11 +124,11 @@ def test_block_mask_checks_compare_with_create_block_mask(monkeypatch):
     from megak3.ops import attention as A
 
     _fake_cuda_memory(monkeypatch, [])
-    chk = gpu_check.Check()
-    out = gpu_check._block_mask_checks(torch.device("cpu"), 4096, chk)
+    chk = gpu_common.Check()
+    out = gpu_attention._block_mask_checks(torch.device("cpu"), 4096, chk)
     assert chk.failures == [] and out["peak_bytes"] == 123 and out["dense_int64_mask_bytes"] == 8 * 4096 ** 2
     real = A.flex_block_tiles
     monkeypatch.setattr(A, "flex_block_tiles", lambda *a, **k: tuple(t.clone().fill_(True) for t in real(*a, **k)))
-    chk = gpu_check.Check()
-    gpu_check._block_mask_checks(torch.device("cpu"), 4096, chk)
+    chk = gpu_common.Check()
+    gpu_attention._block_mask_checks(torch.device("cpu"), 4096, chk)
     assert any("create_block_mask" in f for f in chk.failures)

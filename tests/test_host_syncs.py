@@ -222,7 +222,7 @@ def test_moonep_layer_has_one_host_read_on_gloo():
 # Sites that are not on the GPU path or not this module's to fix, each with its reason. Everything
 # else in a non-logging step must be sync-free.
 ELSEWHERE = {
-    "ops/kda.py": "pure-torch chunked KDA, the CPU twin (CUDA runs fla chunk_kda): offsets .tolist(), "
+    "kda/": "pure-torch chunked KDA, the CPU twin (CUDA runs fla chunk_kda): offsets .tolist(), "
                   "pad.any(), the gate-range check float(aminmax)",
     "ops/attention.py": "chunk-pair skipping of the CPU MLA twin (CUDA with documents or a CP query offset runs "
                         "FlexAttention)",
@@ -340,7 +340,7 @@ PER_LAYER_READS = {
 # named so the test passes and says where they are; site -> (most events per step, reason). The
 # bounds are today's counts, so a new sync at one of these sites still fails the test.
 OPEN = {
-    "parallel/data_parallel.py :: part.tolist()": (1, "reduce_gradients agrees on which parameters have gradients with "
+    "data_parallel/grads.py :: part.tolist()": (1, "reduce_gradients agrees on which parameters have gradients with "
                                          "part.tolist() every step (dp > 1)"),
     "ops/kda_cp.py": (7, "cp > 1: the conv halo's document starts by boolean mask on device positions (236) and "
                          "kda_cp's offsets read back from the device cu_seqlens (372; issue 24 finding 4)"),

@@ -1,4 +1,4 @@
-"""KDA kernels (megak3/ops/kda.py) against an explicit-matrix reference written here from K3_SPEC §4.2.
+"""KDA kernels (megak3/ops/kda/) against an explicit-matrix reference written here from K3_SPEC §4.2.
 
 All fp32 on CPU (fp64 for gradcheck); small shapes so the file runs in a few seconds.
 """
@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import megak3.ops.kda as kda_mod
+import megak3.ops.kda.chunk_intra as kda_mod
+import megak3.ops.kda.chunked as kda_chunked
 from megak3.ops.kda import chunk_kda, kda, kda_gate, recurrent_kda
 
 TOL = 1e-5
@@ -246,7 +247,7 @@ def test_small_inverse_no_cancellation():
 def test_slabs_carry_state_and_documents(grad, monkeypatch):
     """Slabs forced down to 2 chunks: the state crosses slab boundaries, documents straddle them, and
     only the slab holding out-of-range gates takes the explicit path; all equal the recurrence."""
-    monkeypatch.setattr(kda_mod, "_SLAB_ELEMENTS", 2 * (2 * 16 * 16))  # Z * C * max(K, V) = 2 * 16 * 16
+    monkeypatch.setattr(kda_chunked, "_SLAB_ELEMENTS", 2 * (2 * 16 * 16))  # Z * C * max(K, V) = 2 * 16 * 16
     calls = _count_explicit_path(monkeypatch)
     q, k, v, g, beta = make_inputs(1, 200, 2, 16, 8, seed=14)
     g = g.clone()

@@ -1,4 +1,4 @@
-"""Benchmark chunked vs token-by-token KDA on CPU (megak3/ops/kda.py), ratios measured in one run.
+"""Benchmark chunked vs token-by-token KDA on CPU (megak3/ops/kda/), ratios measured in one run.
 
     python tools/bench_kda.py                      # T=1024,4096, forward; fwd+bwd at T=1024
     python tools/bench_kda.py --T 4096 --chunk-size 64 32 --threads 1

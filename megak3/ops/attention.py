@@ -1,4 +1,11 @@
-"""Causal, same-document softmax attention with memory linear in T (MLA's attention core).
+"""Causal, same-document softmax attention that never forms a [Tq, Tk] score tensor outside its dense
+twin (MLA's attention core).
+
+Memory: the per-token tensors are O(T). The chunked and FlexAttention paths also keep a chunk- or
+block-level structure that grows as T^2 over the chunk area, not linearly: the chunked path's
+visibility plan (a host-side list of up to (Tq / q_chunk) * (Tk / k_chunk) pairs) and the
+FlexAttention block mask (a few [B, 1, Tq/128, Tk/128] tensors: O((T/128)^2), a peak of 7.5 MiB per
+row at T = 65,536, growing 4x per doubling of T). ``reference_attention`` is O(T^2).
 
 A query at token t of row b attends to the key at token s of the same row iff ``s <= t`` and
 ``doc_ids_BT[b, s] == doc_ids_BT[b, t]`` (without ``doc_ids_BT``: iff ``s <= t``). Shapes:
@@ -23,7 +30,8 @@ document-id ranges do not overlap in any row, are skipped; the visibility plan (
 at most (T / q_chunk) * (T / k_chunk) pairs) is computed once per call from per-chunk min/max
 document ids (one small device-to-host copy). Its backward (a custom
 ``torch.autograd.Function``) saves q, k, v, the output and the per-row fp32 logsumexp, and recomputes
-the probabilities chunk pair by chunk pair, so forward and backward both use O(T) memory.
+the probabilities chunk pair by chunk pair, so no tensor of forward or backward exceeds O(T) apart
+from the chunk-pair temporaries.
 
 ``reference_attention`` is the dense masked fp32 softmax (O(T^2) memory), the twin for tests.
 

@@ -6,7 +6,7 @@ Layout. The sequence of every batch row is split into cp contiguous segments: CP
 whether row b's first local token continues the document of rank r-1's last token in that row.
 `cp_local_docs` derives both (and global positions in document) from the global packing.
 
-Convention (derived from `recurrent_kda`'s update in megak3/ops/kda.py). Per head, state S in R^{KxV},
+Convention (derived from `recurrent_kda`'s update in megak3/ops/kda/recurrent.py). Per head, state S in R^{KxV},
 alpha_t = exp(g_t) per key channel. One token does
     S <- Diag(alpha_t) S;   S <- S + beta_t k_t (v_t - S^T k_t)^T
 i.e.  S_t = A_t S_{t-1} + beta_t k_t v_t^T   with   A_t = (I - beta_t k_t k_t^T) Diag(alpha_t)  (K x K),

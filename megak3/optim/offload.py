@@ -19,7 +19,7 @@ its shape}``: torch AdamW's keys, so a ``state_dict`` or checkpoint moves betwee
 to or from the non-offloaded AdamW.
 
 The params this optimizer holds are fp32 (the model's params in fp32 runs, the ZeRO-1 main copies
-of parallel/data_parallel.py otherwise), so the device tensor stays the weight of record. Its host
+of parallel/data_parallel/ otherwise), so the device tensor stays the weight of record. Its host
 copy is refreshed every step, which costs one device-to-host copy of the weights more than keeping
 a host-resident master, but a write to the param from outside (a checkpoint load, the ZeRO-1
 all-gather) can never be overwritten by a stale host copy. CPU params are updated in place, with

@@ -81,7 +81,7 @@ class RankStep:
         overlap = (par.overlap_grad_reduce and ps.tp_size == 1 and ps.pp_size == 1 and ps.ep_size == 1
                    and ps.cp_size == 1)
         # parameter all-gather behind the next forward: under every layout (its own communicators,
-        # all issued before any is waited for; parallel/data_parallel.py)
+        # all issued before any is waited for; parallel/data_parallel/gather.py)
         self.optimizer = build_sharded_optimizer(self.model, job.optim, self.plan, overlap_grad_reduce=overlap,
                                                  overlap_param_gather=par.overlap_param_gather)
         method = resolve_qb_method(mcfg.qb_method, t.global_batch_size * job.data.seq_len, mcfg.num_experts)

@@ -1,0 +1,188 @@
+"""Gradient reduction of the ZeRO-1 optimizer: bucketed reduce-scatter (blocking or overlapped with
+the backward) into the owners' fp32 main gradients, and the global gradient-norm clip.
+
+Overlapped reduce-scatter (``overlap_grad_reduce=True``, issue 19 item 4)
+    Each param gets a post-accumulate-grad hook. :meth:`GradReduction.start_grad_overlap`, called
+    before the backward of the LAST micro-batch of a step, arms them: a bucket's reduce-scatter is
+    issued (``async_op=True``) as soon as every param of the bucket has its final gradient, while the
+    rest of the backward runs. Buckets are issued in one fixed order on every rank (the collectives
+    of a group must match): by descending position of their earliest parameter in
+    ``model.parameters()``, i.e. roughly the order backward completes them; a bucket that is ready
+    before its predecessors waits for them. :meth:`GradReduction.reduce_gradients` then issues what
+    is left (params that got no gradient on this rank), runs the has-gradient all-reduce, and waits
+    for all handles. Same flat layout, same buffers, same collective: the result is bitwise that of
+    the non-overlapped form (tests/test_overlap.py). A gradient accumulated into a param whose bucket
+    was already issued raises (it would be lost). Callers that modify gradients between backward and
+    ``reduce_gradients`` (TP partial-gradient sums) or interleave other collectives on the same
+    group must not arm it (``RankStep`` arms it only without tp/pp/ep/cp).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .comm import _rank, _size
+from .layout import EXPERT_NAME_PART, _Bucket
+
+
+class GradReduction:
+    """Gradient half of :class:`parallel.data_parallel.ShardedOptimizer` (a mixin: it reads the
+    specs, groups, buckets and main copies that ``ShardedOptimizer.__init__`` sets)."""
+
+    def _make_hook(self, i: int):
+        def hook(_param):
+            if self._armed:
+                self._grad_ready(i)
+        return hook
+
+    def start_grad_overlap(self) -> None:
+        """Arm the overlap for the coming backward (the last micro-batch of the step): each bucket's
+        reduce-scatter is issued once all its params' gradients are final. No-op unless built with
+        ``overlap_grad_reduce=True``. :meth:`reduce_gradients` completes it."""
+        if not self.overlap_grad_reduce:
+            return
+        self._armed = True
+        self._ready = [False] * len(self.specs)
+        self._left = [len(b.slots) for b in self.buckets]
+        self._next = 0                                   # index into _launch_order
+        self._inflight: dict[int, tuple] = {}            # bucket -> (work, shard, flat)
+        self.overlap_log = []
+
+    @torch.no_grad()
+    def _grad_ready(self, i: int) -> None:
+        k = self._bucket_of[i]
+        if self._ready[i]:
+            if k in self._inflight:
+                raise RuntimeError(f"ShardedOptimizer(overlap_grad_reduce=True): {self.specs[i].name!r} received "
+                                   "another gradient after its bucket's reduce-scatter was issued (a param used "
+                                   "by two backward passes of one micro-batch?); turn the overlap off")
+            return
+        self._ready[i] = True
+        self._left[k] -= 1
+        while self._next < len(self._launch_order) and self._left[self._launch_order[self._next]] == 0:
+            self._launch(self._launch_order[self._next])
+            self.overlap_log.append(("launch", self._launch_order[self._next]))
+            self._next += 1
+
+    def _flat_grads(self, b: _Bucket) -> torch.Tensor:
+        """The bucket's ``[rank0 | pad | rank1 | pad | ...]`` fp32 buffer of the model gradients."""
+        flat = torch.zeros(_size(self.groups[b.group_id]) * b.seg_len, dtype=torch.float32, device=self.device)
+        for sl in b.slots:
+            grad = self.specs[sl.index].param.grad
+            if grad is not None:
+                start = sl.owner * b.seg_len + sl.offset
+                flat[start:start + sl.numel].copy_(grad.reshape(-1))
+        return flat
+
+    def _launch(self, k: int) -> None:
+        b = self.buckets[k]
+        flat = self._flat_grads(b)
+        shard = torch.empty(b.seg_len, dtype=torch.float32, device=self.device)
+        self._inflight[k] = (self._reduce_scatter_async(shard, flat, self.groups[b.group_id]), shard, flat)
+
+    # ---------------------------------------------------------------- the step
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Sum model gradients over each group into the owners' main copies; release model ``.grad``.
+
+        A param gets a main gradient iff some rank of its group produced one (single-process
+        semantics: Muon/AdamW skip params whose grad is None, weight decay included). After an armed
+        backward (:meth:`start_grad_overlap`) the buckets not yet issued are issued first (in the
+        fixed order), then every handle is waited for.
+        """
+        self.finish_param_gather()  # buckets whose params no forward used are still in flight
+        armed, self._armed = self._armed, False
+        if armed:
+            for k in self._launch_order[self._next:]:
+                self._launch(k)
+            self._next = len(self._launch_order)
+        has = [s.param.grad is not None for s in self.specs]
+        for gid, g in enumerate(self.groups):
+            if _size(g) > 1:
+                part = torch.tensor([float(has[i]) for i in self.members[gid]], device=self.device)
+                dist.all_reduce(part, group=g)
+                for i, v in zip(self.members[gid], part.tolist()):
+                    has[i] = v > 0
+        self._has_grad = has
+        for k, b in enumerate(self.buckets):
+            g = self.groups[b.group_id]
+            world, me = _size(g), _rank(g)
+            if world == 1:
+                for sl in b.slots:
+                    grad = self.specs[sl.index].param.grad
+                    self.main[sl.index].grad = None if grad is None else grad.float()
+                continue
+            if armed:
+                work, shard, _flat = self._inflight.pop(k)
+                work.wait()
+            else:
+                flat = self._flat_grads(b)
+                shard = torch.empty(b.seg_len, dtype=torch.float32, device=self.device)
+                self._reduce_scatter(shard, flat, g)
+            for sl in b.slots:
+                if sl.owner == me:
+                    m = self.main[sl.index]
+                    m.grad = shard[sl.offset:sl.offset + sl.numel].view(m.shape) if has[sl.index] else None
+        for s in self.specs:
+            s.param.grad = None
+        self._reduced = True
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale gradients to global L2 norm <= ``max_norm``; returns the global (pre-clip) norm.
+
+        Owners compute each owned param's gradient norm; one all-reduce per group of a vector with
+        exactly one nonzero contributor per entry (so the sum is exact) gives every rank all
+        per-param norms, and the total is torch's ``vector_norm(stack(norms))`` in parameter order:
+        the same number ``torch.nn.utils.clip_grad_norm_`` computes single-process from the same
+        gradients. The scale ``min(1, max_norm / (norm + 1e-6))`` is torch's too. Under TP
+        (:meth:`set_tensor_parallel`) a sharded param's norm is the root of its shards' squared
+        norms summed over the TP group, so the total is the single-process norm of the full model.
+        """
+        if not self._reduced:
+            raise RuntimeError("ShardedOptimizer.clip_grad_norm_ before reduce_gradients(): the owned "
+                               "gradients are not summed yet")
+        norms = torch.zeros(len(self.specs), dtype=torch.float32, device=self.device)
+        has = torch.zeros(len(self.specs), dtype=torch.float32, device=self.device)
+        for i, m in self.main.items():
+            if m.grad is not None:
+                norms[i] = torch.linalg.vector_norm(m.grad)
+                has[i] = 1.0
+        for gid, g in enumerate(self.groups):
+            if _size(g) > 1:
+                idx = torch.tensor(self.members[gid], device=self.device)
+                part = torch.stack([norms[idx], has[idx]])
+                dist.all_reduce(part, group=g)
+                norms[idx], has[idx] = part[0], part[1]
+        if any(self.tp_sharded):  # TP shards: sum squared norms over the TP group
+            idx = torch.tensor([i for i, t in enumerate(self.tp_sharded) if t], device=self.device)
+            part = torch.stack([norms[idx].square(), has[idx]])
+            dist.all_reduce(part, group=self.tp_group)
+            norms[idx], has[idx] = part[0].sqrt(), part[1]
+        if self.norm_partitions:  # ranks of these groups hold different params: sum squares over them
+            if self._expert_mask is None:  # constant: built once, no per-step host-to-device copy
+                self._expert_mask = torch.tensor([EXPERT_NAME_PART in s.name for s in self.specs],
+                                                 device=self.device)
+            expert = self._expert_mask
+            sq = norms.square() * (has > 0)
+            # torch.where, not boolean-mask indexing: the mask's result size would be read on the host
+            dense_sq = torch.where(expert, 0.0, sq).sum().reshape(1)
+            expert_sq = torch.where(expert, sq, 0.0).sum().reshape(1)
+            for g, experts_only in self.norm_partitions:
+                if experts_only:
+                    dist.all_reduce(expert_sq, group=g)
+                else:
+                    both = torch.cat([dense_sq, expert_sq])
+                    dist.all_reduce(both, group=g)
+                    dense_sq, expert_sq = both[:1].clone(), both[1:].clone()
+            total = (dense_sq + expert_sq).sqrt().reshape(())
+        else:
+            # which params have a gradient is host knowledge (reduce_gradients): no mask, no sync
+            idx = [i for i, h in enumerate(self._has_grad) if h]
+            total = (torch.linalg.vector_norm(norms[torch.tensor(idx, device=self.device)]) if idx
+                     else norms.new_zeros(()))
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for m in self.main.values():
+            if m.grad is not None:
+                m.grad.mul_(coef)
+        return total

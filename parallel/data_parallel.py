@@ -126,7 +126,7 @@ from torch import nn
 
 from megak3.optim import MuonWithAdamW, OptimConfig, build_optimizer
 
-from .parallelize import TPPlan, canonical_name
+from .parallelize import canonical_name
 
 ProcessGroup = Optional[dist.ProcessGroup]
 EXPERT_NAME_PART = ".mlp.experts."

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
+from parallel.sharding import EXPERT, tp_rule
+
 from ...config import ModelConfig
 from .config import PlanConfig, _key
 from .vision import vision_image
-
 
 _VALID: Dict[tuple, Optional[str]] = {}
 
@@ -41,39 +42,7 @@ def check_model(cfg: ModelConfig, pc: PlanConfig) -> None:
         vision_image(cfg, pc)
 
 
-# ---- parameters from the real module tree -------------------------------------------------------
-_TP_SHARDED = ("q_proj.", "k_proj.", "v_proj.", "g_proj.", "f_b_proj.", "b_proj.", "q_conv1d.", "k_conv1d.",
-               "v_conv1d.", "A_log", "dt_bias", "o_proj.", "q_b_proj.", "kv_b_proj.")
-
-
-def _tp_sharded(name: str) -> bool:
-    """Mirrors parallel/parallelize.parallelize_tp: which tensors are split tp ways."""
-    if name in ("embed_tokens.weight", "lm_head.weight"):
-        return True
-    if name.startswith("vision."):
-        return False
-    local = name.split(".self_attn.", 1)[1] if ".self_attn." in name else None
-    if local is not None:
-        return local.startswith(_TP_SHARDED)
-    if ".mlp.shared_experts." in name:
-        return True
-    if ".mlp." in name and ".mlp.experts." not in name and ".mlp.gate." not in name \
-            and ".mlp.routed_expert" not in name:
-        return True  # dense FFN
-    return False
-
-
-def _tp_partial(name: str, sequence_parallel: bool) -> bool:
-    """Replicated params whose gradients parallelize.sync_partial_grads sums over TP (tp > 1)."""
-    if name.startswith("vision."):      # each TP rank encodes its share of the images
-        return True
-    if _tp_sharded(name):
-        return False
-    if ".self_attn." in name:           # replicated inside a TP region, feeding sharded heads
-        return True
-    return sequence_parallel            # applied to sequence-sharded tokens
-
-
+# ---- parameters from the real module tree (TP rules: parallel/sharding.py, as parallelize_tp) ----------
 _INVENTORY: Dict[str, tuple] = {}
 _BUFFERS: Dict[str, tuple] = {}
 
@@ -98,7 +67,8 @@ def _inventory(cfg: ModelConfig) -> tuple:
     opt = {s.name: s.optimizer for s in classify_parameters(model)}
     out = []
     for name, p in model.named_parameters():
-        out.append((name, p.numel(), _where(name), _tp_sharded(name), ".mlp.experts." in name,
+        rule = tp_rule(name)
+        out.append((name, p.numel(), _where(name), rule.tp_dim is not None, rule.kind == EXPERT,
                     opt.get(name, "adamw")))
     params = {n for n, _ in model.named_parameters()}
     _BUFFERS[_key(cfg)] = tuple((n, t.numel(), _where(n), t.element_size())
@@ -179,8 +149,8 @@ _AGG: Dict[str, dict] = {}
 
 def _aggregate(cfg: ModelConfig) -> dict:
     """Per place (layer index, -1, -2): {(tp_sharded, expert, optimizer): numel} and the numel of
-    the replicated params whose gradients TP sums (cached per config): 'partial_attn' (inside the
-    attention region: always when tp > 1), 'partial_sp' / 'partial_sp_expert' (under SP; experts only
+    the replicated params whose gradients TP sums (cached per config): 'partial_attn' (region and
+    image rules of parallel/sharding.py: always when tp > 1), 'partial_sp' / 'partial_sp_expert' (under SP; experts only
     when they are not EP-sharded)."""
     key = _key(cfg)
     if key not in _AGG:
@@ -189,9 +159,10 @@ def _aggregate(cfg: ModelConfig) -> dict:
             w = agg.setdefault(where, {"numel": {}, "partial_attn": 0, "partial_sp": 0, "partial_sp_expert": 0})
             k = (tp_sh, is_exp, opt)
             w["numel"][k] = w["numel"].get(k, 0) + n
-            if _tp_partial(name, False):
+            rule = tp_rule(name)
+            if rule.partial_grad(False):
                 w["partial_attn"] += n
-            elif _tp_partial(name, True):
+            elif rule.partial_grad(True):
                 w["partial_sp_expert" if is_exp else "partial_sp"] += n
         _AGG[key] = agg
     return _AGG[key]

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Dict, Optional
 
+from parallel.config import check_expert_tp
+
 from ...config import ModelConfig
 
 
@@ -127,9 +129,7 @@ class PlanConfig:
         if (self.world_size // self.pp) % self.ep:
             raise ValueError(f"parallel.ep={self.ep} must divide world_size/pp = {self.world_size // self.pp}")
         sp = self.sequence_parallel and self.tp > 1
-        if self.ep > 1 and self.tp > 1 and not sp:
-            raise ValueError(f"parallel.ep={self.ep} with parallel.tp={self.tp} needs "
-                             "parallel.sequence_parallel=true")
+        check_expert_tp(self.ep, self.tp, sp)
         if self.cp > 1:
             from parallel.context_parallel import check_context_parallel
 

@@ -27,7 +27,7 @@ per row: ranks 0.64 / 0.80 / 1.48 / 1.09x). Memory: rank r expands K/V for (r+1)
 for all T (cp x rank 0's); zigzag would not lower that peak with a latent all-gather (the rank holding
 the last chunk still needs every earlier key). In a whole layer stack only the MLA score work is uneven
 (KDA, MoE and projections do the same work per token on every rank), so by the planner's FLOP model
-(megak3/launch/planner.py ``layer_flops_per_token``, one document per row) the last rank's forward work
+(megak3/launch/planner/flops.py ``layer_flops_per_token``, one document per row) the last rank's forward work
 is, at cp=4 for k3_tiny, 1.17x / 1.40x / 1.62x the average at T = 4K / 16K / 64K (MLA scores
 22% / 54% / 82% of the layer FLOPs), and 1.76x for K3 at T = 1M, cp=32 (MLA scores 79%): the planner
 charges each pipeline stage its MLA layers' share of that, and a balanced placement would cut the

@@ -1,58 +1,46 @@
-"""Apply tensor (+ sequence) parallelism to a built K3Model, from the outside.
+"""Apply a parallel layout to a K3Model from the outside: :func:`parallelize` and its TP transform.
 
-Every rank builds the same single-process model (same seed ⇒ same full tensors), then
-:func:`parallelize_tp` keeps each rank's shard. Model math is untouched: attention and FFN
-modules keep plain ``nn.Linear`` layers that simply hold fewer heads / channels, and each such
-module is wrapped in a :class:`TPRegion` that owns the two collectives of the Megatron pattern:
+The trainer builds the model on the meta device (shapes only, nothing allocated), :func:`parallelize`
+cuts it to this rank's part and records every tensor's box in a :class:`parallel.plan.ParallelPlan`,
+and :func:`parallel.materialize.materialize` then allocates and initialises only the local shards.
+(On a model with real tensors, as some tests build it, the same transforms keep each rank's chunk of
+the full tensors.)
+
+What tensor parallelism does with each parameter is the table in parallel/sharding.py (column / row /
+vocab splits, replicated, partial gradients); :func:`parallelize_tp` applies it. Model math is
+untouched: attention and FFN modules keep plain ``nn.Linear`` layers that simply hold fewer heads /
+channels, and each such module is wrapped in a :class:`TPRegion` that owns the two collectives of the
+Megatron pattern:
 
     enter:  copy_to_tp        (fwd identity,  bwd all-reduce)        | SP: gather_from_sp (all-gather tokens)
     inner:  column shards (q/k/v/g/f_b/b, q_b/kv_b/g, gate/up) -> local heads -> row shard (o_proj, down_proj)
     exit:   reduce_from_tp    (fwd all-reduce, bwd identity)         | SP: reduce_scatter_to_sp
 
-Parameters that every TP rank holds whole but that see only part of the work receive *partial*
-gradients, summed over the TP group after backward (:func:`sync_partial_grads`):
-  - replicated weights inside a region that feed sharded heads (MLA q_a/kv_a and their norms,
-    KDA f_a_proj and the per-head o_norm);
-  - under SP, every weight applied to sequence-sharded tokens (RMSNorms, AttnRes mixes, router,
-    routed experts, latent projections, final norm).
-Without SP the latter are computed redundantly on identical full inputs and their gradients are
-already complete and identical on every TP rank.
-
-What is sharded (dim of the full tensor, contiguous chunks, rank r holds chunk r):
-  KDA: q/k/v/g/f_b_proj rows, b_proj rows, conv channels, A_log, dt_bias (dim 0), o_proj columns;
-  MLA: q_b/kv_b/g_proj rows (head-major), o_proj columns; dense FFN + shared experts: gate/up rows,
-  down columns; embedding rows (vocab), lm_head rows (vocab) with vocab-parallel cross entropy.
-Routed experts and the latent projections stay replicated (etp = 1: with SP each TP rank routes its
-own token shard through them, which needs no collective; expert parallelism lives in moonep/).
+The regions: every layer's ``self_attn``, a dense layer's ``mlp`` and a MoE layer's
+``mlp.shared_experts``. The embedding and lm_head are vocabulary-parallel (vocab-parallel cross
+entropy through the model's :class:`megak3.model.k3.ParallelHooks`). Parameters that every TP rank
+holds whole but that see only part of the work receive *partial* gradients, summed over the TP group
+after backward (:func:`sync_partial_grads`; the table's ``region``, ``images`` and, under SP,
+``replicated`` rules). Routed experts stay whole over TP (etp = 1: with SP each TP rank routes its
+own token shard through them, which needs no collective); expert parallelism is
+parallel/expert_parallel.py.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megak3.model.ffn import SiTUGLUMLP
+from megak3.model.k3 import ParallelHooks
 from megak3.model.kda import KimiDeltaAttention
-from megak3.model.mla import GatedMLA
 
 from .plan import ParallelPlan, Shard, canonical_name
+from .sharding import REGION, tp_rule
 from .tensor_parallel import collectives as C
 from .tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
-
-
-@dataclass
-class TPPlan:
-    """What parallelize_tp did: per parameter name, the sharded dim (None = replicated)."""
-
-    tp_size: int
-    tp_rank: int
-    sequence_parallel: bool
-    shard_dim: Dict[str, Optional[int]] = field(default_factory=dict)
-    partial_grad: List[str] = field(default_factory=list)
-    """replicated parameters whose gradients must be summed over the TP group"""
 
 
 def _chunk(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
@@ -111,69 +99,61 @@ def _shard_linear(lin: nn.Linear, dim: int, rank: int, size: int) -> None:
         lin.in_features //= size
 
 
-def _shard_kda(m: KimiDeltaAttention, rank: int, size: int) -> Dict[str, Optional[int]]:
-    if m.num_heads % size:
-        raise ValueError(f"parallel.tp={size} does not divide model.kda.num_heads={m.num_heads}")
-    for name in ("q_proj", "k_proj", "v_proj", "g_proj", "f_b_proj", "b_proj"):
-        _shard_linear(getattr(m, name), 0, rank, size)
-    for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
-        _shard_param(getattr(m, name), "weight", 0, rank, size)
-    _shard_param(m, "A_log", 0, rank, size)
-    _shard_param(m, "dt_bias", 0, rank, size)
-    _shard_linear(m.o_proj, 1, rank, size)
-    m.num_heads //= size
-    dims = {f"{n}.weight": 0 for n in ("q_proj", "k_proj", "v_proj", "g_proj", "f_b_proj", "b_proj",
-                                        "q_conv1d", "k_conv1d", "v_conv1d")}
-    dims.update({"A_log": 0, "dt_bias": 0, "o_proj.weight": 1, "f_a_proj.weight": None, "o_norm.weight": None})
+def _shard_region(region: nn.Module, prefix: str, rank: int, size: int) -> Dict[str, Optional[int]]:
+    """Split every parameter of ``region`` (canonical names ``prefix``.local) as parallel/sharding.py
+    says: column / row rules keep chunk ``rank`` of ``size`` along their dim (a linear's in/out
+    features follow), ``region`` rules stay whole; anything else inside a TP region is refused.
+    Returns {local name: split dim or None}."""
+    dims: Dict[str, Optional[int]] = {}
+    for local, _ in list(region.named_parameters()):
+        name = canonical_name(f"{prefix}.{local}")
+        rule = tp_rule(name)
+        dims[local] = rule.tp_dim
+        if rule.kind == REGION:
+            continue
+        if rule.tp_dim is None:
+            raise ValueError(f"{name} sits inside a tensor-parallel region but its rule in parallel/sharding.py "
+                             f"is {rule.kind!r}; give it a column, row or region rule")
+        owner_name, _, attr = local.rpartition(".")
+        owner = region.get_submodule(owner_name) if owner_name else region
+        if isinstance(owner, nn.Linear) and attr == "weight":
+            _shard_linear(owner, rule.tp_dim, rank, size)
+        else:
+            _shard_param(owner, attr, rule.tp_dim, rank, size)
     return dims
 
 
-def _shard_mla(m: GatedMLA, rank: int, size: int) -> Dict[str, Optional[int]]:
-    if m.num_heads % size:
-        raise ValueError(f"parallel.tp={size} does not divide model.mla.num_heads={m.num_heads}")
-    for name in ("q_b_proj", "kv_b_proj", "g_proj"):
-        _shard_linear(getattr(m, name), 0, rank, size)
-    _shard_linear(m.o_proj, 1, rank, size)
-    m.num_heads //= size
-    dims = {"q_b_proj.weight": 0, "kv_b_proj.weight": 0, "g_proj.weight": 0, "o_proj.weight": 1}
-    dims.update({n: None for n in ("q_a_proj.weight", "q_a_layernorm.weight", "kv_a_proj_with_mqa.weight",
-                                   "kv_a_layernorm.weight")})
+def _shard_attention(attn: nn.Module, prefix: str, rank: int, size: int) -> Dict[str, Optional[int]]:
+    """A KDA or MLA module's heads split over TP (tp must divide them; checked before anything is
+    split): :func:`_shard_region` and the local head count."""
+    if attn.num_heads % size:
+        kind = "kda" if isinstance(attn, KimiDeltaAttention) else "mla"
+        raise ValueError(f"parallel.tp={size} does not divide model.{kind}.num_heads={attn.num_heads}")
+    dims = _shard_region(attn, prefix, rank, size)
+    attn.num_heads //= size
     return dims
 
 
-def _shard_mlp(m: SiTUGLUMLP, rank: int, size: int, what: str) -> Dict[str, Optional[int]]:
-    width = m.gate_proj.out_features
-    if width % size:
-        raise ValueError(f"parallel.tp={size} does not divide the {what} width {width}")
-    _shard_linear(m.gate_proj, 0, rank, size)
-    _shard_linear(m.up_proj, 0, rank, size)
-    _shard_linear(m.down_proj, 1, rank, size)
-    return {"gate_proj.weight": 0, "up_proj.weight": 0, "down_proj.weight": 1}
-
-
-def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False) -> TPPlan:
-    """Shard ``model`` (a K3Model with full weights) over ``group`` in place; returns the plan."""
+def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False) -> None:
+    """Shard ``model`` (a K3Model) over ``group`` in place: the TP regions, the vocabulary-parallel
+    embedding and head, the parallel hooks, the vision tower's image split. What each parameter
+    became is :func:`parallel.sharding.tp_rule` of its name (read by :func:`parallelize`)."""
     size = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
-    plan = TPPlan(size, rank, sequence_parallel and size > 1)
-    names = {id(p): n for n, p in model.named_parameters()}
     if size == 1:
-        plan.shard_dim = {n: None for n in names.values()}
-        return plan
-    sp = plan.sequence_parallel
-    region_dims: Dict[str, Optional[int]] = {}
+        return
+    sp = sequence_parallel
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
-        dims = _shard_kda(attn, rank, size) if isinstance(attn, KimiDeltaAttention) else _shard_mla(attn, rank, size)
-        region_dims.update({f"layers.{i}.self_attn.{k}": v for k, v in dims.items()})
+        _shard_attention(attn, f"layers.{i}.self_attn", rank, size)
         layer.self_attn = TPRegion(attn, group, sp, sp_dim=1)
         if isinstance(layer.mlp, SiTUGLUMLP):
-            dims = _shard_mlp(layer.mlp, rank, size, "model.dense_intermediate_size")
-            region_dims.update({f"layers.{i}.mlp.{k}": v for k, v in dims.items()})
+            _check_width(layer.mlp, size, "model.dense_intermediate_size")
+            _shard_region(layer.mlp, f"layers.{i}.mlp", rank, size)
             layer.mlp = TPRegion(layer.mlp, group, sp, sp_dim=1)
         elif getattr(layer.mlp, "shared_experts", None) is not None:
-            dims = _shard_mlp(layer.mlp.shared_experts, rank, size, "shared-expert")
-            region_dims.update({f"layers.{i}.mlp.shared_experts.{k}": v for k, v in dims.items()})
+            _check_width(layer.mlp.shared_experts, size, "shared-expert")
+            _shard_region(layer.mlp.shared_experts, f"layers.{i}.mlp.shared_experts", rank, size)
             # the MoE sees flattened tokens [B*T_local, D]: the shared experts' SP axis is dim 0
             layer.mlp.shared_experts = TPRegion(layer.mlp.shared_experts, group, sp, sp_dim=0)
     V = model.embed_tokens.num_embeddings
@@ -184,31 +164,19 @@ def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False) -> 
     fused_sp = sp and getattr(model, "vision", None) is None
     model.embed_tokens = VocabParallelEmbedding.from_embedding(model.embed_tokens, group, sequence_parallel=fused_sp)
     model.lm_head = VocabParallelHead(model.lm_head, group, rank, size, sp)
-    model.loss_fn = lambda logits, labels: _vocab_parallel_loss(logits, labels, group)
-    if sp and not fused_sp:
-        model.sequence_shard = lambda x: C.scatter_to_sp(x, group, dim=1)
+    model.set_parallel_hooks(ParallelHooks(
+        loss_fn=lambda logits, labels: _vocab_parallel_loss(logits, labels, group),
+        sequence_shard=(lambda x: C.scatter_to_sp(x, group, dim=1)) if sp and not fused_sp else None))
     if getattr(model, "vision", None) is not None:  # weights replicated, images split over the ranks
         from .tensor_parallel.image_split import ImageSplitTower
 
         model.vision = ImageSplitTower(model.vision, group)
 
-    # name bookkeeping: strip the ".inner" the wrappers add
-    for n, _ in model.named_parameters():
-        canon = n.replace(".inner.", ".")
-        if canon in region_dims:
-            plan.shard_dim[canon] = region_dims[canon]
-        elif canon in ("embed_tokens.weight", "lm_head.weight"):
-            plan.shard_dim[canon] = 0
-        else:
-            plan.shard_dim[canon] = None
-    for n, dim in plan.shard_dim.items():
-        if dim is not None:
-            continue
-        if n in region_dims:          # replicated inside a region, feeding sharded heads
-            plan.partial_grad.append(n)
-        elif sp or n.startswith("vision."):  # applied to sequence-sharded tokens / this rank's images
-            plan.partial_grad.append(n)
-    return plan
+
+def _check_width(mlp: SiTUGLUMLP, size: int, what: str) -> None:
+    width = mlp.gate_proj.out_features
+    if width % size:
+        raise ValueError(f"parallel.tp={size} does not divide the {what} width {width}")
 
 
 def _vocab_parallel_loss(logits_local, labels, group):
@@ -218,33 +186,13 @@ def _vocab_parallel_loss(logits_local, labels, group):
     return loss, n
 
 
-def sync_partial_grads(model: nn.Module, plan: TPPlan, group) -> None:
-    """Sum the partial gradients of replicated parameters over the TP group (one flat all-reduce)."""
-    if plan.tp_size == 1 or not plan.partial_grad:
+def sync_partial_grads(model: nn.Module, plan: ParallelPlan, group) -> None:
+    """Sum the partial gradients of replicated parameters (``plan.partial_grad``) over the TP group
+    ``group`` (one flat all-reduce; nothing on a group of one rank)."""
+    if group is None or not plan.partial_grad or dist.get_world_size(group) == 1:
         return
     want = set(plan.partial_grad)
     C.sync_replicated_grads([p for n, p in model.named_parameters() if canonical_name(n) in want], group)
-
-
-@torch.no_grad()
-def load_full_state(model: nn.Module, full: Dict[str, torch.Tensor], plan: TPPlan) -> None:
-    """Load a canonical (single-process) model state dict into a TP-sharded model: each rank keeps
-    its chunk of every sharded tensor. Works for any tp, including 1 (a plain load)."""
-    own = model.state_dict()
-    missing = [canonical_name(k) for k in own if canonical_name(k) not in full]
-    if missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} model tensors, e.g. {missing[:3]}; "
-                         "it was saved from a different model config")
-    for key, dst in own.items():
-        name = canonical_name(key)
-        src = full[name]
-        dim = plan.shard_dim.get(name)
-        if dim is not None and plan.tp_size > 1:
-            src = _chunk(src, dim, plan.tp_rank, plan.tp_size)
-        if tuple(src.shape) != tuple(dst.shape):
-            raise ValueError(f"checkpoint tensor {name} has shape {tuple(src.shape)}, this layout needs "
-                             f"{tuple(dst.shape)}; it was saved from a different model config")
-        dst.copy_(src)
 
 
 # ------------------------------------------------------------------------------ the one entry point
@@ -282,7 +230,7 @@ def parallelize(model: nn.Module, ps, parallel_cfg=None, moonep_cfg=None, model_
     plan = ParallelPlan(ps=ps, sequence_parallel=sp, buffers=buffers)
 
     # tp (+ sp)
-    plan.tp = parallelize_tp(model, ps.tp_group, sp)
+    parallelize_tp(model, ps.tp_group, sp)
     plan.transforms.append("tp")
     # ep: expert gradients are complete within the EP group (every token of the TP/EP ranks reaches
     # them through the dispatch), so they are reduced over expert-DP and never summed over TP
@@ -305,18 +253,23 @@ def parallelize(model: nn.Module, ps, parallel_cfg=None, moonep_cfg=None, model_
         plan.transforms.append("cp")
 
     ep_dims = plan.ep.shard_dim
+    params = [canonical_name(n) for n, _ in model.named_parameters()]
+    is_param = set(params)
     for n, t in list(model.named_parameters()) + list(model.named_buffers()):
         name = canonical_name(n)
         local, glob = tuple(t.shape), global_shapes[name]
         axis, dim, rank = None, None, 0
+        tp_dim = tp_rule(name).tp_dim if name in is_param else None
         if name in ep_dims and ps.ep_size > 1:
             axis, dim, rank = "ep", ep_dims[name], ps.ep_rank
-        elif plan.tp.shard_dim.get(name) is not None and ps.tp_size > 1:
-            axis, dim, rank = "tp", plan.tp.shard_dim[name], ps.tp_rank
+        elif tp_dim is not None and ps.tp_size > 1:
+            axis, dim, rank = "tp", tp_dim, ps.tp_rank
         offsets = [0] * len(glob)
         if axis is not None:
             offsets[dim] = rank * local[dim]
         plan.tensors[name] = Shard(glob, tuple(offsets), local, axis, dim)
-    plan.partial_grad = [n for n in plan.tp.partial_grad if n in plan.tensors and n not in ep_dims]
+    # replicated parameters whose gradients are partial over TP (parallel/sharding.py); EP-sharded
+    # experts are complete within the EP group
+    plan.partial_grad = [n for n in params if ps.tp_size > 1 and tp_rule(n).partial_grad(sp) and n not in ep_dims]
     plan.buffers = [n for n in buffers if n in plan.tensors]
     return plan

@@ -1,9 +1,12 @@
 """The parallel plan: everything a consumer of a parallelized model needs, derived once.
 
 :func:`parallel.parallelize.parallelize` builds a :class:`ParallelPlan` while it applies the
-transforms (tensor + sequence, expert, pipeline) to a model that is usually still on the meta
-device. The trainer, the checkpoint code, the scale simulator and the tests read the plan; none of
-them re-derives shard dims, gradient groups or norm partitions.
+transforms (tensor + sequence, expert, pipeline, context) to a model that is usually still on the
+meta device; what TP does to each parameter comes from the table in parallel/sharding.py. The
+trainer (megak3/train), parallel/materialize.py, the Hugging Face loader (megak3/interop/hf_load.py)
+and tools/simulate_scale.py read shard boxes, gradient groups and norm partitions from the plan.
+The planner (megak3/launch/planner/) builds no plan: it counts the same shards analytically from
+the same sharding table, and tools/simulate_scale.py checks that the two agree.
 
 Per tensor (parameters and persistent buffers, keyed by canonical single-process name) the plan
 holds a :class:`Shard`: the global shape, this rank's box ``[offsets, offsets + local_shape)`` and
@@ -65,8 +68,6 @@ class ParallelPlan:
     """this pipeline rank's model chunks (layer ranges; one range when vp = 1; all layers when pp = 1)"""
     first_stage: bool = True
     last_stage: bool = True
-    tp: object = None
-    """the :class:`parallel.parallelize.TPPlan` (tp wrappers' bookkeeping)"""
     ep: object = None
     """the :class:`parallel.expert_parallel.EPPlan` (dispatchers, MoonEP buffer pool)"""
     load_recorder: object = None

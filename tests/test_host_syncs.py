@@ -26,6 +26,7 @@ optimizer's ``bool(any)`` and boolean-mask norm), plus the NaN-skip flag read by
 from __future__ import annotations
 
 import traceback
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -252,7 +253,7 @@ def _step_events(rank=0, world=1, layout=None, loss_fn=None):
     ps = init_parallel(job.parallel, model_cfg=job.model) if world > 1 else ParallelState.single()
     rs = RankStep(job, ps, "cpu", grad_accum=1)
     if loss_fn is not None:
-        rs.model.loss_fn = loss_fn
+        rs.model.set_parallel_hooks(replace(rs.model.parallel_hooks, loss_fn=loss_fn))
     spy = HostSyncSpy()
 
     def step(i):
@@ -301,7 +302,7 @@ def test_spy_sees_moved_labels_as_device_data():
     ids, labels, cu = local_rows(ids, labels, 0, 1)
     found = {}
     for name, loss_fn in (("old", _old_token_loss_sum), ("new", model.loss_fn)):
-        model.loss_fn = loss_fn
+        model.set_parallel_hooks(replace(model.parallel_hooks, loss_fn=loss_fn))
         with HostSyncSpy() as spy:
             spy.mark_host(ids, labels, cu)
             int((labels != -100).sum())                    # the loader's count: a host read, not a sync

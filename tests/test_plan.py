@@ -112,22 +112,23 @@ def _measure_peak(rank, world, tp, dp, ckpt, steps, mbs, seqlen):
 
     from megak3.model.k3 import build_model
     from megak3.optim import OptimConfig
+    from parallel.config import ParallelConfig
     from parallel.data_parallel import ShardedOptimizer
-    from parallel.parallelize import parallelize_tp, sync_partial_grads
-    from parallel.parity import make_groups
+    from parallel.parallelize import parallelize, sync_partial_grads
+    from parallel.state import ParallelState, init_parallel
 
     torch.set_num_threads(1)
     cfg = load_model_config("k3_tiny", **TINY)
-    tp_group = dp_group = None
-    if world > 1:
-        tp_group, dp_group = make_groups(tp, dp)
+    par = ParallelConfig(tp=tp, dp=dp, sequence_parallel=tp > 1)
+    ps = init_parallel(par) if world > 1 else ParallelState.single()
+    tp_group, dp_group = ps.tp_group, ps.dp_group
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model = build_model(cfg, seed=0)
-        plan = parallelize_tp(model, tp_group, sequence_parallel=tp > 1)
+        plan = parallelize(model, ps, par)
         model.gradient_checkpointing = ckpt
         opt = ShardedOptimizer(model, OptimConfig(ns_dtype="float32"), dp_group)
         if tp > 1:
-            opt.set_tensor_parallel(tp_group, plan.shard_dim)
+            opt.set_tensor_parallel(tp_group, plan.tp_shard_dim)
         g = torch.Generator().manual_seed(1 + (dist.get_rank(dp_group) if dp_group is not None else 0))
         for _ in range(steps):
             ids = torch.randint(4, cfg.vocab_size, (mbs, seqlen), generator=g)

@@ -1,4 +1,4 @@
-"""The planner's optim.offload=cpu figures (megak3/launch/planner.py offload_figures) against what
+"""The planner's optim.offload=cpu figures (megak3/launch/planner/memory.py offload_figures) against what
 megak3/optim/offload.py really holds and moves: host bytes per owned AdamW element (measured from
 HostAdamW's state and host buffers after a step on the copy path) and bytes copied between device
 and host per step (counted by a dispatch spy over the step's copies); the plan's memory and step

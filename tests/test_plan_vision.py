@@ -1,4 +1,4 @@
-"""The planner's vision-tower terms (data.vision_fraction, data.image_side; megak3/launch/planner.py).
+"""The planner's vision-tower terms (data.vision_fraction, data.image_side; megak3/launch/planner/vision.py).
 
 - vision_activation_bytes against the bytes autograd really saves for the k3_tiny tower (forward on
   CPU under saved_tensors_hooks, deduplicated by storage, weights and autocast weight copies left

@@ -23,14 +23,15 @@ from torch import nn
 from megak3.config import load_model_config
 from megak3.model.mla import GatedMLA
 from parallel.parallelize import (
-    TPPlan,
     TPRegion,
     VocabParallelHead,
+    _shard_attention,
     _shard_linear,
-    _shard_mla,
     _vocab_parallel_loss,
     sync_partial_grads,
 )
+from parallel.plan import ParallelPlan
+from parallel.state import ParallelState
 from parallel.tensor_parallel import collectives as C
 from parallel.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from parallel.testing import run_threaded
@@ -258,7 +259,7 @@ def block_rank_case(group, tp, sp):
     y.backward(G.chunk(tp, 1)[r] if sp else G)
     # the norm saw only this rank's tokens under SP: parallelize_tp lists it as partial; without SP
     # its grad is already complete and nothing is listed
-    plan = TPPlan(tp, r, sp, partial_grad=["norm.weight"] if sp else [])
+    plan = ParallelPlan(ParallelState.single(), sp, partial_grad=["norm.weight"] if sp else [])  # partial_grad is read
     sync_partial_grads(block, plan, group)
     got = {"y": y.detach(), "dx": x.grad, "d_norm": block.norm.weight.grad,
            "d_up": block.mlp.inner.up.weight.grad, "d_down": block.mlp.inner.down.weight.grad}
@@ -286,7 +287,7 @@ def test_shard_linear_keeps_whole_head_blocks():
     full = GatedMLA(load_model_config("k3_tiny", **{"mla.num_heads": H}))
     untouched = copy.deepcopy(full)
     with pytest.raises(ValueError, match=f"parallel.tp=4 does not divide model.mla.num_heads={H}"):
-        _shard_mla(full, 0, 4)
+        _shard_attention(full, "layers.1.self_attn", 0, 4)
     assert all(torch.equal(a, b) for a, b in zip(full.parameters(), untouched.parameters()))
     with pytest.raises(ValueError, match="cannot split dim 0 of size 6 into 4"):
         _shard_linear(nn.Linear(5, 6, bias=False), 0, 0, 4)
@@ -296,7 +297,7 @@ def test_shard_linear_keeps_whole_head_blocks():
         shards = []
         for r in range(tp):
             m = copy.deepcopy(full)
-            dims = _shard_mla(m, r, tp)
+            dims = _shard_attention(m, "layers.1.self_attn", r, tp)
             assert m.num_heads == H // tp
             shards.append((m, {n.removesuffix(".weight"): d for n, d in dims.items() if d is not None}))
         for name, dim in shards[0][1].items():
@@ -482,7 +483,7 @@ def test_size_one_group_is_identity_without_collectives():
                 assert torch.equal(y, y_ref) and torch.equal(x.grad, dx_ref)
                 assert torch.equal(region.inner.up.weight.grad, dp_ref["up.weight"])
                 assert torch.equal(region.inner.down.weight.grad, dp_ref["down.weight"])
-                plan = TPPlan(1, 0, sp, partial_grad=["inner.up.weight"])
+                plan = ParallelPlan(ParallelState.single(), sp, partial_grad=["inner.up.weight"])
                 sync_partial_grads(region, plan, group)
                 C.sync_replicated_grads(region.parameters(), group)
                 assert torch.equal(region.inner.up.weight.grad, dp_ref["up.weight"])

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Memory / FLOPs / communication / step-time planner for a K3 layout (megak3/launch/planner.py).
+"""Memory / FLOPs / communication / step-time planner for a K3 layout (megak3/launch/planner/).
 
     python tools/plan.py model=k3_full world_size=2048 gpu=h200                # the best layout on 2048 GPUs
     python tools/plan.py model=k3_full parallel.tp=8 parallel.pp=16 parallel.ep=64 world_size=2048 gpu=h200

@@ -6,7 +6,7 @@ backward (deduplicated by storage) to the top-level module that saved it: each l
 (KDA or MLA), its MLP (dense SiTU-GLU or LatentMoE), its two AttnRes sites, its two RMSNorms, and
 the head (output AttnRes, final norm, lm_head, cross entropy). ``fit()`` measures a set of widths
 and solves, per module kind, bytes/token = sum_i coef_i * feature_i by least squares; the features
-(megak3/launch/planner.FEATURES) are the widths the saved tensors scale with. The planner's
+(megak3/launch/planner/activations.module_features) are the widths the saved tensors scale with. The planner's
 built-in table (planner.ACT_COEF) is ``fit()``'s output; ``python tools/plan.py --calibrate``
 re-derives it (e.g. after a kernel change) and tests/test_plan.py re-checks it on unseen widths.
 """

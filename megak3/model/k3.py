@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -108,13 +108,32 @@ class K3Model(nn.Module):
         set_norm_impl(self, cfg.norm_impl)   # model.norm_impl on every RMSNorm (megak3/model/norm.py)
         self.recompute = "none"
         self.has_mla = "mla" in cfg.layer_kinds()
-        # Hooks a parallel layout sets from outside (parallel/parallelize.py); the model math stays
-        # free of process groups. ``sequence_shard``: [B,T,D] -> this rank's token shard after the
-        # embedding; ``loss_fn``: (logits, labels) -> (loss_sum, count), e.g. vocab-parallel CE.
-        self.sequence_shard = None
-        self.loss_fn = token_loss_sum
+        # what a parallel layout plugs in (ParallelHooks, set_parallel_hooks): the model math stays
+        # free of process groups
+        self._parallel_hooks = ParallelHooks()
         # ``context_parallel``: cuts whole rows into this rank's sequence segment (shard_inputs)
         self.context_parallel = None
+
+    @property
+    def parallel_hooks(self) -> "ParallelHooks":
+        """The hooks a parallel layout installed (the single-process defaults until one does)."""
+        return self._parallel_hooks
+
+    def set_parallel_hooks(self, hooks: "ParallelHooks") -> None:
+        """Install a parallel layout's hooks (parallel/parallelize.py ``parallelize_tp``)."""
+        if not isinstance(hooks, ParallelHooks):
+            raise TypeError(f"set_parallel_hooks takes a ParallelHooks, got {type(hooks).__name__}")
+        self._parallel_hooks = hooks
+
+    @property
+    def loss_fn(self) -> Callable:
+        """(logits, labels) -> (loss_sum, count): ``parallel_hooks.loss_fn``."""
+        return self._parallel_hooks.loss_fn
+
+    @property
+    def sequence_shard(self) -> Optional[Callable]:
+        """[B, T, D] -> this rank's token shard after the embedding, or None: ``parallel_hooks.sequence_shard``."""
+        return self._parallel_hooks.sequence_shard
 
     @property
     def recompute(self) -> str:
@@ -225,6 +244,20 @@ def token_loss_sum(logits_BTV: torch.Tensor, labels_BT: torch.Tensor):
     loss = F.cross_entropy(logits_BTV.reshape(-1, logits_BTV.shape[-1]).float(), labels_BT.reshape(-1),
                            ignore_index=-100, reduction="sum")
     return loss, n
+
+
+@dataclass(frozen=True)
+class ParallelHooks:
+    """What a parallel layout plugs into a :class:`K3Model` (``model.set_parallel_hooks(hooks)``;
+    parallel/parallelize.py under tensor parallelism). The defaults are the single-process ones.
+    The pipeline engine (parallel/pipeline/engine.py) reads them through ``model.loss_fn`` and
+    ``model.sequence_shard`` as K3Model.forward does."""
+
+    loss_fn: Callable = token_loss_sum
+    """(logits, labels) -> (loss_sum, count): e.g. vocab-parallel cross entropy over this rank's logits slice"""
+    sequence_shard: Optional[Callable] = None
+    """[B, T, D] -> this rank's token shard after the embedding (sequence parallelism when the
+    embedding cannot reduce-scatter itself); None: keep every token"""
 
 
 def build_model(cfg: ModelConfig, seed: int = 0, device=None, init: bool = True) -> K3Model:

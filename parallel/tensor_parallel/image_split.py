@@ -8,8 +8,8 @@ order), so each rank splices the same full set of image tokens as one process wo
 Backward: the spliced tokens feed the TP regions, whose input gradient is already the full sum on
 every rank (and under SP the scatter's backward all-gathers it), so the gather's backward just keeps
 this rank's slice (``gather_from_tp``). Each rank's tower gradient then covers only its images: the
-vision parameters are partial over TP and summed by ``sync_partial_grads`` (parallelize.py lists
-them). A rank with no image this micro-batch still produces (zero) gradients for every tower
+vision parameters are partial over TP and summed by ``sync_partial_grads`` (the ``images`` rule of
+parallel/sharding.py). A rank with no image this micro-batch still produces (zero) gradients for every tower
 parameter, because the TP gradient sum needs the same parameter set on every rank.
 
 Why this and not the alternatives, for K3's tower (27 layers of width 1024, 401M parameters + a 46M

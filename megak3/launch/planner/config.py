@@ -1,0 +1,192 @@
+"""What a plan is asked about: :class:`PlanConfig` (layout degrees, batch shape, precision,
+checkpointing, images, offload), the global batch a plan assumes, and the helpers the planner's
+modules share.
+
+Batch: a plan, a search and min_gpus all assume the same global batch when none is given,
+default_global_batch(): ~4 Mi tokens per step (1024 x 4096), rounded up to whole micro-batch rounds.
+Stages: the trainer's partition (parallel/pipeline/partition.rank_chunks: cost-balanced, cuts at
+AttnRes block starts unless parallel.pp_split_blocks, which the plan turns on when pp x vp needs it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Dict, Optional
+
+from parallel.config import check_expert_tp
+
+from ...config import ModelConfig
+
+
+GiB = 2 ** 30
+
+
+DEFAULT_STEP_TOKENS = 1024 * 4096
+"""tokens per optimizer step a plan assumes when train.global_batch_size is not given (4 Mi)"""
+
+QB_AUTO_EXACT_LIMIT = 64 * 2 ** 20
+"""qb_method='auto': exact margins while tokens_per_step x num_experts x 4 B stays within this"""
+QB_METHODS = ("auto", "exact", "histogram")
+"""values of model.moe.qb_method (megak3.model.balancing.QB_METHODS; restated: the planner runs without the model)"""
+
+
+def default_global_batch(seq_len: int, micro_batch_size: int, dp: int, pp: int = 1,
+                         pp_schedule: str = "1f1b") -> int:
+    """The global batch (sequences) every plan and search assumes when none is given: the smallest
+    multiple of micro_batch_size x dp (x pp under interleaved_1f1b, which needs whole rounds) that
+    holds at least DEFAULT_STEP_TOKENS tokens (1024 sequences of 4096 tokens)."""
+    unit = micro_batch_size * dp * (pp if pp_schedule == "interleaved_1f1b" else 1)
+    want = max(1, -(-DEFAULT_STEP_TOKENS // seq_len))
+    return -(-want // unit) * unit
+
+
+@dataclass
+class PlanConfig:
+    """What to plan: layout degrees, batch shape, precision, checkpointing, hardware."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    dp: int = 0
+    """0: world_size / (tp * cp * pp)"""
+    cp: int = 1
+    """parallel.cp: context-parallel degree (each sequence split into cp contiguous segments)"""
+    cp_balance: bool = False
+    """parallel.cp_balance: MLA's balanced schedule (query blocks moved, K/V expanded per key block)"""
+    cp_balance_split: int = 2
+    """parallel.cp_balance_split: query blocks per CP rank under cp_balance"""
+    world_size: int = 1
+    sequence_parallel: bool = True
+    """SP under tp > 1 (the trainer's EP x TP layouts require it)"""
+    micro_batch_size: int = 1
+    seq_len: int = 4096
+    global_batch_size: int = 0
+    """sequences per step; 0: default_global_batch() (~4 Mi tokens, whatever the layout)"""
+    precision: str = "bf16"
+    """activation dtype: 'bf16' (autocast) or 'fp32'"""
+    param_dtype: str = "fp32"
+    """'fp32' (the trainer: fp32 params = main copies) or 'bf16' (bf16 params + fp32 owned main copies)"""
+    activation_checkpointing: bool = True
+    pp_schedule: str = "1f1b"
+    """parallel.pp_schedule: afab, 1f1b, interleaved_1f1b or zb_h1 (parallel/pipeline/schedules.py)"""
+    vp: int = 1
+    """parallel.vp: model chunks per pipeline rank (interleaved_1f1b)"""
+    pp_split_blocks: Optional[bool] = None
+    """parallel.pp_split_blocks; None: only when pp x vp exceeds the AttnRes block starts"""
+    pp_layout: Optional[tuple] = None
+    """parallel.pp_layout: explicit layers per model chunk; None: balanced as the trainer does"""
+    moonep: bool = True
+    """moonep.enabled (used when ep > 1): MoonEP with replica slots; False: the baseline dispatcher
+    (home experts only: no replica buffers or traffic)"""
+    max_replicas_per_rank: int = 0
+    """moonep.max_replicas_per_rank: replica slots M per EP rank; 0 = num_experts / ep"""
+    qb_method: str = ""
+    """'' = model.moe.qb_method; 'auto' | 'exact' | 'histogram' (anything else: ValueError)"""
+    qb_bins: int = 0
+    """0 = model.moe.qb_bins (4096 when the config has none)"""
+    bucket_bytes: int = 40 * 2 ** 20
+    dp_overlap: float = 0.8
+    """fraction of the ZeRO-1 reduce-scatter / all-gather hidden behind compute"""
+    global_batch_default: bool = False
+    """set by resolved(): the global batch came from default_global_batch()"""
+    vision_fraction: float = 0.0
+    """data.vision_fraction: share of every sequence's tokens that are <|media|> vision tokens (0: text
+    only, the plan is exactly the text plan); the tower's activations, FLOPs and TP gather follow from it"""
+    image_side: int = 0
+    """data.image_side: side in pixels of the (square) images assumed; 0 = the position grid's
+    pos_grid x patch_size (896 px, 64 x 64 patches, 1024 LM tokens at K3)"""
+    offload: str = "none"
+    """optim.offload: 'none' or 'cpu' (the AdamW state and update in host memory, megak3/optim/offload.py)"""
+
+    def resolved(self) -> "PlanConfig":
+        for f in ("tp", "pp", "ep", "cp", "vp", "world_size", "micro_batch_size", "seq_len"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"parallel.{f}={v!r} must be an integer >= 1" if f in ("tp", "pp", "ep", "cp", "vp")
+                                 else f"{f}={v!r} must be an integer >= 1")
+        m = self.max_replicas_per_rank
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"moonep.max_replicas_per_rank={m!r} must be an integer >= 0 (0 = num_experts / ep)")
+        f = self.vision_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
+            raise ValueError(f"data.vision_fraction={f!r} must be a number in [0, 1]")
+        if isinstance(self.image_side, bool) or not isinstance(self.image_side, int) or self.image_side < 0:
+            raise ValueError(f"data.image_side={self.image_side!r} must be an integer >= 0 (0 = the position grid)")
+        if self.qb_method not in ("",) + QB_METHODS:
+            raise ValueError(f"model.moe.qb_method={self.qb_method!r}: choose one of {', '.join(QB_METHODS)}")
+        if self.precision not in ("bf16", "fp32"):
+            raise ValueError(f"precision={self.precision!r} must be 'bf16' or 'fp32'")
+        if self.param_dtype not in ("bf16", "fp32"):
+            raise ValueError(f"param_dtype={self.param_dtype!r} must be 'bf16' or 'fp32'")
+        if self.offload not in ("none", "cpu"):
+            raise ValueError(f"optim.offload={self.offload!r} must be 'none' or 'cpu'")
+        model = self.tp * self.cp * self.pp
+        axes = "tp*cp*pp" if self.cp > 1 else "tp*pp"
+        if self.world_size % model:
+            raise ValueError(f"parallel.{axes} = {model} does not divide world_size={self.world_size}")
+        dp = self.dp or self.world_size // model
+        if dp * model != self.world_size:
+            raise ValueError(f"parallel.{axes}*dp = {model}*{dp} must equal world_size={self.world_size}")
+        if (self.world_size // self.pp) % self.ep:
+            raise ValueError(f"parallel.ep={self.ep} must divide world_size/pp = {self.world_size // self.pp}")
+        sp = self.sequence_parallel and self.tp > 1
+        check_expert_tp(self.ep, self.tp, sp)
+        if self.cp > 1:
+            from parallel.context_parallel import check_context_parallel
+
+            check_context_parallel(self.cp, self.tp, sp, self.seq_len,
+                                   balance_split=self.cp_balance_split if self.cp_balance else 0)
+        if sp and self.seq_len % self.tp:
+            raise ValueError(f"data.seq_len={self.seq_len} must be a multiple of parallel.tp={self.tp} under "
+                             "sequence parallelism")
+        default = not self.global_batch_size
+        gbs = self.global_batch_size or default_global_batch(self.seq_len, self.micro_batch_size, dp, self.pp,
+                                                             self.pp_schedule)
+        if gbs % (self.micro_batch_size * dp):
+            raise ValueError(f"global_batch_size={gbs} must be a multiple of micro_batch_size x dp = "
+                             f"{self.micro_batch_size} x {dp}")
+        from parallel.pipeline.schedules import check_schedule
+
+        check_schedule(self.pp_schedule, self.pp, self.vp, gbs // (self.micro_batch_size * dp) if self.pp > 1
+                       else None)
+        layout = tuple(self.pp_layout) if self.pp_layout is not None else None
+        return replace(self, dp=dp, global_batch_size=gbs, sequence_parallel=sp, pp_layout=layout,
+                       global_batch_default=default or self.global_batch_default)
+
+    @property
+    def edp(self) -> int:
+        return self.world_size // (self.pp * self.ep)
+
+    @property
+    def dp_cp(self) -> int:
+        """The dense gradient / ZeRO-1 / QB group: dp x cp (ParallelState.dp_cp_group)."""
+        return self.dp * self.cp
+
+    @property
+    def local_tokens(self) -> float:
+        """Tokens of one micro-batch on a rank outside TP regions' SP split: mbs x seq_len / cp."""
+        return self.micro_batch_size * self.seq_len / self.cp
+
+    @property
+    def expert_dp(self) -> int:
+        """The ZeRO-1 / gradient group of the routed experts: edp under EP (spans cp); without EP the
+        trainer keeps them on the dense dp x cp group (every TP rank holds all experts)."""
+        return self.edp if self.ep > 1 else self.dp_cp
+
+    @property
+    def micro_batches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+
+_KEYS: Dict[int, tuple] = {}
+
+
+def _key(cfg: ModelConfig) -> str:
+    """A cache key of a model config (its repr, memoised per object: the search asks thousands of times)."""
+    hit = _KEYS.get(id(cfg))
+    if hit is None or hit[0] is not cfg:
+        hit = _KEYS[id(cfg)] = (cfg, repr(cfg))
+    return hit[1]
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n if n > 1 else 0.0

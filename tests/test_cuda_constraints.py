@@ -189,7 +189,7 @@ def test_more_than_1023_groups_never_reach_grouped_mm():
     ("model=k3_tiny model.moe.num_experts=1536 parallel.ep=2", 2, "moonep.max_replicas_per_rank <= 255"),
 ])
 def test_group_bound_is_a_one_line_config_error(argv, world, fragment, tmp_path, monkeypatch):
-    from megak3.train.compose import check
+    from megak3.job.compose import check
 
     monkeypatch.chdir(tmp_path)
     env = {"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(world)}

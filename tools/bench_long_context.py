@@ -120,7 +120,7 @@ def _held_bytes(rs, b):
 def _step_rank(rank, world, T, cp, recompute, measure_held=False, balance=0):
     from megak3.data.config import DataConfig
     from megak3.optim import OptimConfig
-    from megak3.train.config import JobConfig, TrainConfig
+    from megak3.job.config import JobConfig, TrainConfig
     from megak3.train.step import RankStep
     from parallel.config import ParallelConfig
     from parallel.state import ParallelState, init_parallel

@@ -74,7 +74,7 @@ def apex_rms_norm_fn():
 def norm_impl_error(impl: str, check_apex: bool = True) -> str | None:
     """Why ``impl`` cannot be used here (one line naming ``model.norm_impl`` and the fix), or None.
     ``check_apex=False``: the value only (config validation; apex's presence is checked where the
-    job runs, megak3/train/compose.py check_local)."""
+    job runs, megak3/job/compose.py check_local)."""
     if impl not in NORM_IMPLS:
         return f"model.norm_impl={impl!r}: choose 'auto', 'torch' or 'apex'"
     if check_apex and impl == "apex" and apex_rms_norm_fn() is None:

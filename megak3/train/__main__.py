@@ -8,11 +8,11 @@
     python -m megak3.train -m parallel=tp2_dp2,tp1_dp4,tp4_dp1 train.max_steps=20   # layout sweep
 
 Defaults live in conf/config.yaml; every field is documented in the dataclasses of
-megak3/train/config.py and the modules it imports (``--help`` prints them). The overrides are
-composed and validated before Hydra writes anything (megak3/train/compose.py): a user error
+megak3/job/config.py and the modules it imports (``--help`` prints them). The overrides are
+composed and validated before Hydra writes anything (megak3/job/compose.py): a user error
 prints one line and exits 2.
 
-Ranks (megak3/launch/config.py, ``launcher.*``): a job that needs more than one rank
+Ranks (megak3/job/launcher.py, ``launcher.*``): a job that needs more than one rank
 (``launcher.nproc_per_node``, or the layout's size when ``parallel.dp`` > 0) and is not already a
 torchrun / SLURM rank is started as ``python -m megak3.launch.torchrun --standalone
 --nproc-per-node N`` in a subprocess (SIGTERM / SIGUSR1 / SIGINT are passed on to it),
@@ -37,11 +37,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..config import CONF_DIR
 from ..launch import commands
-from ..launch.config import LauncherConfig
 from ..launch.preemption import REQUEUE_EXIT_CODE, Preempted, catch_early
 from ..launch.sweep import error_line, write_status
 from ..launch.torchrun import forward_signals, record_user_error
-from .compose import check, split_launcher, to_job  # noqa: F401  (split_launcher, to_job: re-exported)
+from ..job.compose import check, split_launcher, to_job
+from ..job.launcher import SLURM_MARKER, LauncherConfig, inside_launcher
 
 
 def _peak_memory_per_rank(pstate) -> list:
@@ -157,7 +157,7 @@ def job(cfg: DictConfig) -> int:
         _, launcher = split_launcher(cfg)
         nproc = launcher.resolved_nproc(cfg.parallel)
         info["nproc"] = nproc
-        if nproc * launcher.nnodes > 1 and not commands.inside_launcher():
+        if nproc * launcher.nnodes > 1 and not inside_launcher():
             if launcher.nnodes > 1:
                 raise ValueError(f"launcher.nnodes={launcher.nnodes}: multi-node jobs start through SLURM "
                                  "(tools/launch.py --slurm); locally use launcher.nnodes=1")
@@ -228,7 +228,7 @@ def hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     catch_early()  # a SIGTERM / SIGUSR1 during start-up stops the run at its first step, with a checkpoint
-    if os.environ.get(commands.SLURM_MARKER) == "1" and "RANK" not in os.environ:
+    if os.environ.get(SLURM_MARKER) == "1" and "RANK" not in os.environ:
         try:  # srun mode of the sbatch script: one task per GPU, ranks from SLURM's variables
             os.environ.update(commands.torch_env_from_slurm(os.environ))
         except ValueError as e:

@@ -22,9 +22,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ..config import CONF_DIR
-from ..launch.commands import inside_launcher
-from ..launch.config import LauncherConfig, LaunchJobConfig
 from .config import JobConfig
+from .launcher import LauncherConfig, LaunchJobConfig, inside_launcher
 from .fields import schema_fields
 
 # JobConfig plus the launcher group (popped before the job reaches the trainer)

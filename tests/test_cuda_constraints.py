@@ -164,7 +164,7 @@ def test_moonep_home_plus_replica_groups_follow_cuda_rules():
 def test_more_than_1023_groups_never_reach_grouped_mm():
     """auto picks the tiled path past the limit (CPU included, so CPU runs what a GPU would);
     forcing grouped_mm there is a one-line ValueError."""
-    from megak3.model.moe import grouped_linear, pick_impl
+    from megak3.ops.grouped_gemm import grouped_linear, pick_impl
 
     x = torch.randn(4, 16, dtype=BF)
     w = torch.randn(GROUPED_MM_MAX_GROUPS + 1, 8, 16, dtype=BF)

@@ -14,6 +14,17 @@ from typing import List, Optional
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
+NORM_IMPLS = ("auto", "torch", "apex")
+"""values of ``model.norm_impl`` / ``RMSNorm.impl`` (megak3/model/norm.py)"""
+
+
+def norm_impl_value_error(impl: str) -> Optional[str]:
+    """The one-line error of a ``model.norm_impl`` value that is not one of NORM_IMPLS, else None
+    (the value only; whether apex is built is megak3.model.norm.norm_impl_error)."""
+    if impl not in NORM_IMPLS:
+        return f"model.norm_impl={impl!r}: choose 'auto', 'torch' or 'apex'"
+    return None
+
 
 @dataclass
 class KDAConfig:
@@ -226,9 +237,7 @@ class ModelConfig:
         for name, val in (("rms_norm_eps", self.rms_norm_eps), ("mla.latent_norm_eps", m.latent_norm_eps)):
             need(0 < val < 1, f"model.{name}={val} must lie in (0, 1) (typical: 1e-5)")
         need(0 < self.init_std < 1, f"model.init_std={self.init_std} must lie in (0, 1) (K3 uses 0.02)")
-        from .model.norm import norm_impl_error
-
-        err = norm_impl_error(self.norm_impl, check_apex=False)  # apex's presence: compose.check_local
+        err = norm_impl_value_error(self.norm_impl)  # apex's presence: megak3.job.compose.check_local
         need(err is None, err)
         need(0 < v.routed_scaling_factor < float("inf"),
              f"model.moe.routed_scaling_factor={v.routed_scaling_factor} must be a positive number")

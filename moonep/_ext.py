@@ -8,6 +8,7 @@ planner"; the reason is kept in :data:`load_error`.
 """
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 
@@ -25,8 +26,7 @@ def get(build: bool | None = None):
     if not _tried_import:
         _tried_import = True
         try:
-            from . import _planner_cpp  # type: ignore[attr-defined]
-            _mod = _planner_cpp
+            _mod = importlib.import_module(f"{__package__}._planner_cpp")  # the extension module, not the package
             return _mod
         except ImportError as exc:
             load_error = f"moonep._planner_cpp not built ({exc})"

@@ -96,6 +96,11 @@ class ParallelConfig:
 
         model_cfg: a megak3.config.ModelConfig; when given, the degrees must divide its head
         counts, widths, experts and vocabulary (see grid.validate_layout).
+
+        The layout alone: the schedule's name and ``vp`` are checked here for direct users of
+        ParallelConfig / init_parallel (parallel.state); the layout against the data, the model and
+        the micro-batches of a step (CP's and SP's split of data.seq_len, expert TP, the schedule's
+        micro-batch count) is megak3.job.config.check_layout, which JobConfig.validate calls.
         """
         if self.backend not in BACKENDS:
             raise ValueError(f"parallel.backend={self.backend!r}: choose one of {', '.join(BACKENDS)}")
@@ -117,7 +122,7 @@ class ParallelConfig:
             raise ValueError(f"parallel.timeout_s={self.timeout_s!r} must be a positive number of seconds")
         from parallel.pipeline.schedules import check_schedule
 
-        check_schedule(self.pp_schedule, self.pp, self.vp)  # the micro-batch count: JobConfig.validate
+        check_schedule(self.pp_schedule, self.pp, self.vp)  # the micro-batch count: job.config.check_layout
         validate_layout(self.to_layout(world_size), model_cfg)
         if model_cfg is not None and self.pp > 1:
             from parallel.pipeline.partition import rank_chunks
@@ -128,7 +133,7 @@ class ParallelConfig:
 
 def check_expert_tp(ep: int, tp: int, sequence_parallel: bool) -> None:
     """Training with ep > 1 and tp > 1 needs sequence parallelism (as in Megatron-Core); the grid
-    itself does not (JobConfig.validate and the Trainer call this)."""
+    itself does not (megak3.job.config.check_layout calls this)."""
     if ep > 1 and tp > 1 and not sequence_parallel:
         raise ValueError(f"parallel.ep={ep} with parallel.tp={tp} needs parallel.sequence_parallel=true (without "
                          "it every TP rank would dispatch the same tokens to the experts)")

@@ -4,16 +4,16 @@ Placement. CP rank r of a row of length T holds tokens ``[r*T/cp, (r+1)*T/cp)`` 
 the same rows (the same data-parallel micro-batch) on every rank of the CP group. Both layer kinds
 read this one placement:
 
-- KDA (69 of K3's 93 layers): the exact state-summary scan (:func:`megak3.ops.kda_cp.kda_cp`) needs
+- KDA (69 of K3's 93 layers): the exact state-summary scan (:func:`parallel.kda_cp.kda_cp`) needs
   each rank's segment to be one contiguous run of the recurrence: rank r folds the affine maps of
   ranks 0..r-1 into its incoming state, and the short convolutions take the previous rank's last
-  kernel-1 tokens (:func:`megak3.ops.kda_cp.exchange_conv_halo`). Its traffic per layer is
+  kernel-1 tokens (:func:`parallel.kda_cp.exchange_conv_halo`). Its traffic per layer is
   ``cp*B*H*K*(K+V)`` values, independent of T.
 - Gated MLA: every rank all-gathers the compressed latent (``kv_a_proj_with_mqa`` output,
   kv_lora_rank + the rope slot = 576 values per token at K3 size, not the expanded per-head K/V),
   expands K/V locally and runs its local queries against keys ``[0, end of own segment)``
   (:func:`megak3.ops.attention.attention` with ``q_offset``). Backward reduce-scatters the latent's
-  gradient (the autograd all-gather of megak3/ops/kda_cp.py).
+  gradient (the autograd all-gather of parallel/kda_cp.py).
 
 Cost of contiguous vs head-tail "zigzag" placement (computed from the chunk pairs
 :func:`megak3.ops.attention.chunked_attention` visits; it skips key chunks wholly in the future).
@@ -62,7 +62,7 @@ local token each way). The CUDA path is the chunked pure-torch twin too (no Flex
 ``return_lse`` yet), so the switch stays off by default until measured on a GPU.
 
 Documents. The global packing (``cu_seqlens`` over the flattened global ``B*T`` stream) is cut per
-rank by :func:`megak3.ops.kda_cp.cp_local_docs`: local ``cu_seqlens`` (row ends included), whether
+rank by :func:`parallel.kda_cp.cp_local_docs`: local ``cu_seqlens`` (row ends included), whether
 row b's first local token continues the previous rank's document (the KDA scan), global positions
 in document (the conv halo masks) and, for MLA, the document ids of the keys ``[0, end)``.
 
@@ -88,8 +88,8 @@ import torch.distributed as dist
 
 from megak3.model.seqinfo import SeqInfo, make_seq_info
 from megak3.ops.attention import latent_attention
-from megak3.ops.kda_cp import (_nbytes, all_gather_autograd, conv_halo_seq_info, cp_local_docs, exchange_conv_halo,
-                               kda_cp, record_comm)
+from parallel.kda_cp import (_nbytes, all_gather_autograd, conv_halo_seq_info, cp_local_docs, exchange_conv_halo,
+                             kda_cp, record_comm)
 
 __all__ = ["CPShard", "ContextParallel", "balanced_blocks", "block_work", "check_context_parallel", "mla_score_work",
            "parallelize_cp"]

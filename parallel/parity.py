@@ -88,7 +88,7 @@ def parity_job(tp: int, dp: int, sp: bool, overrides: Dict, batch: int, seqlen: 
     """The JobConfig of a parity run: fp32, constant LR, clip 1.0, fp32 Newton-Schulz."""
     from megak3.data.config import DataConfig
     from megak3.optim import OptimConfig
-    from megak3.train.config import JobConfig, TrainConfig
+    from megak3.job.config import JobConfig, TrainConfig
 
     from .config import ParallelConfig
 

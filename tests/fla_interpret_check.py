@@ -42,7 +42,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import megak3.ops.kda.dispatch as kda_ops  # noqa: E402
 from megak3.ops.kda import kda  # noqa: E402
-from megak3.ops.kda_cp import cp_local_docs, kda_cp  # noqa: E402
+from parallel.kda_cp import cp_local_docs, kda_cp  # noqa: E402
 from parallel.testing import run_threaded  # noqa: E402
 
 torch.set_num_threads(1)

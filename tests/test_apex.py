@@ -262,7 +262,7 @@ def test_the_model_applies_its_norm_impl():
 
 
 def test_command_line_apex_without_apex_is_one_line(tmp_path, monkeypatch):
-    from megak3.train.compose import check
+    from megak3.job.compose import check
 
     monkeypatch.chdir(tmp_path)
     sys.modules["apex"] = None

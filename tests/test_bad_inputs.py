@@ -1,6 +1,6 @@
 """Every user mistake: one line on stderr, exit status 2, no traceback, nothing written.
 
-CONFIG: overrides of ``python -m megak3.train``, checked in-process by megak3.train.compose.check
+CONFIG: overrides of ``python -m megak3.train``, checked in-process by megak3.job.compose.check
 (what the command runs before Hydra starts; ``env`` plays a torchrun rank of that world size).
 TORCHRUN: command lines of ``python -m megak3.launch.torchrun``, checked in-process by its
 precheck (before any rank starts). TOOLS: tools/launch.py and tools/preprocess_data.py called
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megak3.train.compose import check
+from megak3.job.compose import check
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable

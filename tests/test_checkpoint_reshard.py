@@ -25,7 +25,7 @@ def _job(corpus, run_dir, max_steps, world, **par):
     from megak3.data.config import DataConfig
     from megak3.metrics.config import LoggingConfig
     from megak3.optim.config import OptimConfig
-    from megak3.train.config import JobConfig, TrainConfig
+    from megak3.job.config import JobConfig, TrainConfig
     from parallel.config import ParallelConfig
 
     return JobConfig(

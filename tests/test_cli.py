@@ -1,9 +1,9 @@
 """``python -m megak3.train``: --help lists every field with its docstring per group; defaults that
 depend on the run (threads, a warmup longer than the run) are resolved with a one-line notice."""
-from megak3.launch.config import LaunchJobConfig
-from megak3.train.compose import compose, default_threads, to_job
-from megak3.train.fields import field_docs, schema_fields
-from megak3.train.config import TrainConfig
+from megak3.job.launcher import LaunchJobConfig
+from megak3.job.compose import compose, default_threads, to_job
+from megak3.job.fields import field_docs, schema_fields
+from megak3.job.config import TrainConfig
 from megak3.train.usage import usage
 
 

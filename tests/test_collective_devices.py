@@ -18,7 +18,7 @@ from megak3.config import load_model_config
 from megak3.data.config import DataConfig
 from megak3.metrics.config import LoggingConfig
 from megak3.optim.config import OptimConfig
-from megak3.train.config import JobConfig, TrainConfig
+from megak3.job.config import JobConfig, TrainConfig
 from parallel.collective_check import CollectiveDeviceError, check_collective_devices
 from parallel.data_parallel import comm as data_parallel
 from parallel.config import ParallelConfig

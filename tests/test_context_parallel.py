@@ -206,7 +206,7 @@ def _train(rank, world, corpus, run_dir, max_steps, par):
     from megak3.data.config import DataConfig
     from megak3.metrics.config import LoggingConfig
     from megak3.optim.config import OptimConfig
-    from megak3.train.config import JobConfig, TrainConfig
+    from megak3.job.config import JobConfig, TrainConfig
     from megak3.train.trainer import Trainer
     from parallel.config import ParallelConfig
     from parallel.state import ParallelState, init_parallel

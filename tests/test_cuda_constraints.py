@@ -164,7 +164,7 @@ def test_moonep_home_plus_replica_groups_follow_cuda_rules():
 def test_more_than_1023_groups_never_reach_grouped_mm():
     """auto picks the tiled path past the limit (CPU included, so CPU runs what a GPU would);
     forcing grouped_mm there is a one-line ValueError."""
-    from megak3.model.moe import grouped_linear, pick_impl
+    from megak3.ops.grouped_gemm import grouped_linear, pick_impl
 
     x = torch.randn(4, 16, dtype=BF)
     w = torch.randn(GROUPED_MM_MAX_GROUPS + 1, 8, 16, dtype=BF)
@@ -189,7 +189,7 @@ def test_more_than_1023_groups_never_reach_grouped_mm():
     ("model=k3_tiny model.moe.num_experts=1536 parallel.ep=2", 2, "moonep.max_replicas_per_rank <= 255"),
 ])
 def test_group_bound_is_a_one_line_config_error(argv, world, fragment, tmp_path, monkeypatch):
-    from megak3.train.compose import check
+    from megak3.job.compose import check
 
     monkeypatch.chdir(tmp_path)
     env = {"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(world)}

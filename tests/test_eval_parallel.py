@@ -16,7 +16,7 @@ def _evaluate(rank, world, corpus, run_dir, par, dp):
     from megak3.data.config import DataConfig
     from megak3.metrics.config import LoggingConfig
     from megak3.optim.config import OptimConfig
-    from megak3.train.config import JobConfig, TrainConfig
+    from megak3.job.config import JobConfig, TrainConfig
     from megak3.train.trainer import Trainer
     from parallel.config import ParallelConfig
     from parallel.state import ParallelState, init_parallel

@@ -77,7 +77,7 @@ def test_cpu_dry_pass_runs_b_to_d_against_their_twins(dry_report):
 
 
 def test_a_wrong_fast_path_fails_loudly(tmp_path, monkeypatch, capsys):
-    import megak3.model.moe as moe
+    import megak3.ops.grouped_gemm as moe
 
     real = moe._tiled_grouped_linear
     monkeypatch.setattr(moe, "_tiled_grouped_linear", lambda x, w, r: real(x, w, r) * 1.001)

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from megak3.config import load_model_config
-from megak3.model.moe import LatentMoE, count_per_expert, grouped_linear, grouped_weight_grad, pick_impl
+from megak3.model.moe import LatentMoE, count_per_expert
+from megak3.ops.grouped_gemm import grouped_linear, grouped_weight_grad, pick_impl
 from moonep.buffers import BufferPool
 from moonep.config import MoonEPConfig
 from parallel.expert_parallel import full_expert_tensor, parallelize_ep

@@ -179,7 +179,7 @@ def _job(world, **par):
     from megak3.data.config import DataConfig
     from megak3.metrics.config import LoggingConfig
     from megak3.optim.config import OptimConfig
-    from megak3.train.config import JobConfig, TrainConfig
+    from megak3.job.config import JobConfig, TrainConfig
     from parallel.config import ParallelConfig
 
     hf = par.pop("init_from_hf", None)
@@ -493,11 +493,11 @@ class _nullcontext:
 
 
 def test_train_init_from_hf_is_checked_before_any_work(tmp_path):
-    from megak3.train.compose import check
+    from megak3.job.compose import check
 
     rc, msg = check(["train.init_from_hf=" + str(tmp_path / "absent")], env={})
     assert rc == 2 and "train.init_from_hf" in msg and "no such directory" in msg and "\n" not in msg
-    from megak3.train.config import TrainConfig
+    from megak3.job.config import TrainConfig
 
     with pytest.raises(ValueError, match="train.init_from_hf"):
         TrainConfig(init_from_hf=" ").validate()

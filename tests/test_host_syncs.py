@@ -343,10 +343,10 @@ PER_LAYER_READS = {
 OPEN = {
     "data_parallel/grads.py :: part.tolist()": (1, "reduce_gradients agrees on which parameters have gradients with "
                                          "part.tolist() every step (dp > 1)"),
-    "ops/kda_cp.py": (7, "cp > 1: the conv halo's document starts by boolean mask on device positions (236) and "
+    "parallel/kda_cp.py": (7, "cp > 1: the conv halo's document starts by boolean mask on device positions (236) and "
                          "kda_cp's offsets read back from the device cu_seqlens (372; issue 24 finding 4)"),
     "model/seqinfo.py": (7, "cp > 1: make_seq_info reads back the conv halo's device cu_seqlens (built in "
-                            "ops/kda_cp.py:236)"),
+                            "parallel/kda_cp.py:236)"),
 }
 LAYOUTS = {"tp2+sp": {"tp": 2, "sp": True}, "ep2 MoonEP": {"ep": 2}, "cp2": {"cp": 2}}
 

@@ -1,4 +1,4 @@
-"""KDA over context-parallel ranks (megak3/ops/kda_cp.py) against single-process chunk_kda.
+"""KDA over context-parallel ranks (parallel/kda_cp.py) against single-process chunk_kda.
 
 The CP ranks run as threads of this process on torch's threaded process group (real data exchange,
 milliseconds); one case repeats the packed check and the conv halo on 2 gloo subprocesses (the
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from megak3.model.kda import ShortConv
 from megak3.model.seqinfo import make_seq_info
 from megak3.ops.kda import chunk_kda, recurrent_kda
-from megak3.ops.kda_cp import (
+from parallel.kda_cp import (
     comm_log,
     conv_halo_seq_info,
     cp_local_docs,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megak3.launch import commands as C
-from megak3.launch.config import LauncherConfig
+from megak3.job.launcher import LauncherConfig, inside_launcher
 from megak3.launch.preemption import REQUEUE_EXIT_CODE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ def test_slurm_env_and_hostlist():
     assert C.first_host("a17,b[3-4]") == "a17" and C.first_host("n[007,009-010]") == "n007"
     with pytest.raises(ValueError, match="SLURM_LOCALID"):
         C.torch_env_from_slurm({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
-    assert C.inside_launcher({"LOCAL_RANK": "0"}) and not C.inside_launcher({})
+    assert inside_launcher({"LOCAL_RANK": "0"}) and not inside_launcher({})
 
 
 def test_bad_input_is_rejected_before_work(capsys):

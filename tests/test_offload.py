@@ -161,7 +161,7 @@ def test_build_optimizer_and_config_errors(monkeypatch):
     from megak3.config import load_model_config
     from megak3.model.k3 import build_model
     from megak3.optim import build_optimizer
-    from megak3.train.compose import check
+    from megak3.job.compose import check
 
     model = build_model(load_model_config("k3_tiny", **SMALL_MODEL))
     plain = build_optimizer(model, OptimConfig())

@@ -168,7 +168,7 @@ def _measure_layer_bytes(cp, B, T, kind):
     k3_tiny KDA / MLA layer on its CP segment (fp32, packed rows crossing the CP boundaries)."""
     from megak3.model.kda import KimiDeltaAttention
     from megak3.model.mla import GatedMLA
-    from megak3.ops.kda_cp import comm_log
+    from parallel.kda_cp import comm_log
     from parallel.context_parallel import ContextParallel
     from parallel.testing import run_threaded
 

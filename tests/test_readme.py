@@ -121,7 +121,7 @@ def _validate(argv):
     from torch.distributed.run import parse_args
 
     from megak3.launch.torchrun import precheck
-    from megak3.train.compose import check
+    from megak3.job.compose import check
 
     if argv[:2] == ["-m", "megak3.launch.torchrun"]:
         error = precheck(parse_args(argv[2:]), local=False)

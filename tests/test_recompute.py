@@ -9,7 +9,7 @@ import torch
 from megak3.config import load_model_config
 from megak3.metrics.telemetry import malloc_in_use_bytes
 from megak3.model.k3 import build_model
-from megak3.train.config import TrainConfig
+from megak3.job.config import TrainConfig
 
 T = 512
 

@@ -16,7 +16,7 @@ from megak3.posttrain.agentic import AgentRunner
 from megak3.posttrain.buffer import Rollout
 from megak3.data.demo_sft import build_demo_sft_dataset
 from megak3.posttrain.rl import RLConfig, response_batch
-from megak3.train.config import JobConfig, TrainConfig
+from megak3.job.config import JobConfig, TrainConfig
 
 ENGINE = {"page_size": 8, "num_pages": 512, "prefill_chunk": 64, "checkpoint_interval": 8}
 SHORT, LONG = 10, 400   # trajectory budgets: SHORT ends after one turn, LONG reaches the turn limit

@@ -15,7 +15,7 @@ from megak3.posttrain.objective import token_logprobs
 from megak3.posttrain.rl import RLConfig, RLRunner, response_batch
 from megak3.posttrain.rollout import PartialRollouts
 from megak3.quant.config import QuantConfig
-from megak3.train.config import JobConfig, TrainConfig
+from megak3.job.config import JobConfig, TrainConfig
 
 ENGINE = {"page_size": 8, "num_pages": 256, "prefill_chunk": 4, "checkpoint_interval": 8}
 

@@ -21,7 +21,7 @@ def _job(world, tp=1, ep=1, sp=False):
     from megak3.config import load_model_config
     from megak3.data.config import DataConfig
     from megak3.optim.config import OptimConfig
-    from megak3.train.config import JobConfig, TrainConfig
+    from megak3.job.config import JobConfig, TrainConfig
     from parallel.config import ParallelConfig
 
     return JobConfig(model=load_model_config("k3_tiny", **SMALL_MODEL), data=DataConfig(vocab_size=512),

@@ -30,7 +30,7 @@ def _rl_updates(rank, world, tp=1):
     from megak3.optim.config import OptimConfig
     from megak3.posttrain.objective import LossConfig
     from megak3.posttrain.rl import RLConfig, RLRunner
-    from megak3.train.config import JobConfig, TrainConfig
+    from megak3.job.config import JobConfig, TrainConfig
     from parallel.config import ParallelConfig
     from parallel.state import ParallelState, init_parallel
 

@@ -20,7 +20,7 @@ def make_runner(cache):
     from megak3.optim.config import OptimConfig
     from megak3.data.demo_sft import build_demo_sft_dataset
     from megak3.posttrain.rl import RLConfig, RLRunner
-    from megak3.train.config import JobConfig, TrainConfig
+    from megak3.job.config import JobConfig, TrainConfig
 
     torch.set_num_threads(1)
     tok = load_tokenizer(build_demo_sft_dataset(cache, 512, num_conversations=300, progress=False)[1])

@@ -14,7 +14,7 @@ from megak3.metrics.config import LoggingConfig
 from megak3.optim.config import OptimConfig
 from megak3.data.chat import encode_chat, generation_prompt
 from megak3.data.sft import SFTPackedDataset, main as sft_main, write_sft_dataset
-from megak3.train.config import JobConfig, TrainConfig
+from megak3.job.config import JobConfig, TrainConfig
 from megak3.train.trainer import Trainer
 
 CONV = [{"role": "system", "content": "Be brief."},

@@ -83,7 +83,7 @@ def test_sft_step_with_an_image_trains_the_tower(tmp_path, tok):
     from megak3.data.packing import collate
     from megak3.optim.config import OptimConfig
     from megak3.data.sft import SFTPackedDataset
-    from megak3.train.config import JobConfig, TrainConfig
+    from megak3.job.config import JobConfig, TrainConfig
     from megak3.train.step import RankStep
     from parallel.state import ParallelState
 

@@ -13,7 +13,7 @@ from megak3.config import load_model_config
 from megak3.data.config import DataConfig
 from megak3.metrics.config import LoggingConfig
 from megak3.optim.config import OptimConfig
-from megak3.train.config import JobConfig, TrainConfig
+from megak3.job.config import JobConfig, TrainConfig
 from megak3.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -306,7 +306,7 @@ def test_trainer_with_images_logs_and_resumes_bit_identically(corpus, tmp_path):
     from megak3.data.config import DataConfig
     from megak3.metrics.config import LoggingConfig
     from megak3.optim.config import OptimConfig
-    from megak3.train.config import JobConfig, TrainConfig
+    from megak3.job.config import JobConfig, TrainConfig
     from megak3.train.trainer import Trainer
 
     _, prefix, _, _ = corpus

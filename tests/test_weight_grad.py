@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megak3.config import load_model_config
 from megak3.model.k3 import build_model
-from megak3.model.moe import grouped_linear
+from megak3.ops.grouped_gemm import grouped_linear
 from megak3.ops.weight_grad import WeightGradStore, checkpoint_contexts
 from parallel.parity import PARITY_MODEL, global_batch, local_rows
 

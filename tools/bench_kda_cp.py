@@ -1,4 +1,4 @@
-"""Bytes and time of KDA under context parallelism: the state-summary scan (megak3/ops/kda_cp.py)
+"""Bytes and time of KDA under context parallelism: the state-summary scan (parallel/kda_cp.py)
 against a sequence<->head all-to-all (Ulysses-style), per KDA layer and per rank.
 
     python tools/bench_kda_cp.py                    # tables + measured bytes + cp=4 vs cp=1 timing
@@ -15,7 +15,7 @@ layer, forward + backward; fp32 = 4 bytes per value):
     2 (cp-1)/cp (T/cp) H (3K + 2V + 1) 4. The bf16 column counts q, k, v, o and their gradients at
     2 bytes and g, beta at 4.
 Measured: for k3_tiny (H=4, K=V=64) at small T on gloo, the bytes handed to the collectives in a
-real forward + backward (megak3.ops.kda_cp.comm_log), for kda_cp (+ the halo exchange) and for an
+real forward + backward (parallel.kda_cp.comm_log), for kda_cp (+ the halo exchange) and for an
 all-to-all implementation written here; both outputs are checked against each other.
 Timing: cp=4 vs cp=1 forward + backward at T=16K on k3_tiny dims, gloo ranks with one thread each,
 median over --repeats iterations of the slowest rank (after a barrier); the ranks share this
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megak3.config import load_model_config  # noqa: E402
 from megak3.ops.kda import chunk_kda  # noqa: E402
-from megak3.ops.kda_cp import comm_log, exchange_conv_halo, kda_cp, record_comm  # noqa: E402
+from parallel.kda_cp import comm_log, exchange_conv_halo, kda_cp, record_comm  # noqa: E402
 from parallel.testing import run_distributed  # noqa: E402
 
 

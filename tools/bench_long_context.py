@@ -27,7 +27,7 @@ none). Reported per rank, max over ranks:
   time      wall time of the step (the slowest rank), and CPU time of the slowest rank (with cp ranks
             sharing this machine's cores the wall time over-states the critical path).
 
-Communication, measured in the same cp > 1 runs with megak3.ops.kda_cp.comm_log (bytes each rank
+Communication, measured in the same cp > 1 runs with parallel.kda_cp.comm_log (bytes each rank
 sends to other ranks in a bandwidth-optimal collective), after the step, by one forward + backward of
 the rank's first KDA and first MLA attention on its segment of the same batch (no recompute, so
 each collective counts once; under activation recompute the step re-issues the forward ones):
@@ -50,7 +50,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megak3.config import load_model_config  # noqa: E402
 from megak3.metrics.telemetry import malloc_in_use_bytes, peak_rss_bytes, reset_peak_rss  # noqa: E402
-from megak3.ops.kda_cp import comm_log  # noqa: E402
+from parallel.kda_cp import comm_log  # noqa: E402
 from parallel.testing import run_distributed  # noqa: E402
 
 
@@ -120,7 +120,7 @@ def _held_bytes(rs, b):
 def _step_rank(rank, world, T, cp, recompute, measure_held=False, balance=0):
     from megak3.data.config import DataConfig
     from megak3.optim import OptimConfig
-    from megak3.train.config import JobConfig, TrainConfig
+    from megak3.job.config import JobConfig, TrainConfig
     from megak3.train.step import RankStep
     from parallel.config import ParallelConfig
     from parallel.state import ParallelState, init_parallel

@@ -37,7 +37,7 @@ def run_mode(lam: float, args, tok) -> dict:
     from megak3.data.config import DataConfig
     from megak3.optim.config import OptimConfig
     from megak3.posttrain.rl import RLConfig, RLRunner
-    from megak3.train.config import JobConfig, TrainConfig
+    from megak3.job.config import JobConfig, TrainConfig
     from parallel.parity import PARITY_MODEL
 
     job = JobConfig(model=load_model_config("k3_tiny", **PARITY_MODEL), data=DataConfig(vocab_size=512),

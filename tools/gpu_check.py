@@ -17,7 +17,7 @@ Parts (each compares a fast path with its twin measured in the same run, or meas
                    warm-up; caches emptied, peak reset): ratio ~4 means memory linear in T, ~16
                    quadratic; the block mask equal to torch's create_block_mask, and its own cold
                    peak at T within 64 B/token + 40 B/tile (no [T, T] tensor)
-  c grouped_gemm   megak3/model/moe.py ``grouped_linear``: tiled fp32 and grouped_mm bf16 (direct and
+  c grouped_gemm   megak3/ops/grouped_gemm.py ``grouped_linear``: tiled fp32 and grouped_mm bf16 (direct and
                    under bf16 autocast over fp32 operands, the training path) vs the loop twin;
                    forward and gradients; fwd+bwd time ratios vs the loop; every grouped_mm call of
                    the training path (forward, backward, deferred dW) within megak3/ops/cuda_rules.py's

@@ -34,8 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def compose(overrides: list):
-    """The training config of ``overrides`` (conf/ composed by megak3.train.compose; errors: one line)."""
-    from megak3.train.compose import compose as compose_job
+    """The training config of ``overrides`` (conf/ composed by megak3.job.compose; errors: one line)."""
+    from megak3.job.compose import compose as compose_job
 
     return compose_job(overrides)
 
@@ -45,7 +45,7 @@ def launcher_config(preset: str, overrides: list, args):
     from omegaconf import OmegaConf
 
     from megak3.config import CONF_DIR
-    from megak3.launch.config import LauncherConfig
+    from megak3.job.launcher import LauncherConfig
 
     cfg = OmegaConf.structured(LauncherConfig)
     path = Path(CONF_DIR) / "launcher" / f"{preset}.yaml"
@@ -68,7 +68,7 @@ def launcher_config(preset: str, overrides: list, args):
 
 
 def default_nproc(cfg) -> int:
-    from megak3.launch.config import LauncherConfig
+    from megak3.job.launcher import LauncherConfig
 
     if cfg.parallel.dp > 0:
         return LauncherConfig().resolved_nproc(cfg.parallel)
@@ -85,7 +85,7 @@ def default_nproc(cfg) -> int:
 def validate(overrides: list, world_size: int, local: bool = True) -> None:
     """Compose and validate the job for ``world_size`` ranks; ``local``: also this machine's
     data, tokenizer, checkpoint and CUDA."""
-    from megak3.train.compose import check_local, to_job
+    from megak3.job.compose import check_local, to_job
 
     job = to_job(compose(overrides), world_size=world_size, env={"LOCAL_WORLD_SIZE": str(world_size)})
     if local:

@@ -28,7 +28,7 @@ def _job(args):
     from megak3.config import load_model_config
     from megak3.data.config import DataConfig
     from megak3.optim import OptimConfig
-    from megak3.train.config import JobConfig, TrainConfig
+    from megak3.job.config import JobConfig, TrainConfig
 
     # k3_tiny as configured, with the vocabulary cut to the demo tokenizer's size (317 ids) rounded
     # up: the lm_head over 8192 ids would be a third of the step for ids that never occur.

@@ -1,7 +1,7 @@
 """Launching megak3 at any scale: local torchrun, SLURM batch scripts, layout sweeps, preemption,
-and an analytic memory / FLOPs / step-time planner (see docs/SCALING.md).
+and an analytic memory / FLOPs / step-time planner (see docs/SCALING.md). The ``launcher`` config
+group (LauncherConfig) is part of the job config: megak3.job.launcher.
 
-    megak3.launch.config      LauncherConfig (the ``launcher`` group, conf/launcher/)
     megak3.launch.commands    torchrun command lines, sbatch scripts, SLURM -> torch environment
     megak3.launch.preemption  PreemptionHandler: SIGTERM/SIGUSR1 -> checkpoint -> requeue exit code
     megak3.launch.torchrun    torchrun that passes SIGTERM/SIGUSR1 to the ranks, checks the job

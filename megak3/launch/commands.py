@@ -15,19 +15,12 @@ import shlex
 import sys
 from typing import Mapping, Optional, Sequence
 
-from .config import LauncherConfig
+from ..job.launcher import SLURM_MARKER, LauncherConfig
 from .preemption import REQUEUE_EXIT_CODE
 
 TRAIN_MODULE = "megak3.train"
 TORCHRUN_MODULE = "megak3.launch.torchrun"
 """torchrun with preemption forwarding and one-line failures (megak3/launch/torchrun.py)"""
-SLURM_MARKER = "MEGAK3_SLURM_SRUN"
-"""set to 1 by the sbatch script in srun mode: each task maps SLURM_* to torch's variables"""
-
-
-def inside_launcher(env: Mapping[str, str] = os.environ) -> bool:
-    """Whether this process already is one rank of a torchrun / SLURM-srun job."""
-    return "LOCAL_RANK" in env or "TORCHELASTIC_RUN_ID" in env or env.get(SLURM_MARKER) == "1"
 
 
 def local_command(nproc: int, overrides: Sequence[str], python: str = sys.executable,

@@ -153,7 +153,7 @@ def precheck(args, env: Mapping[str, str] = os.environ, local: bool = True) -> O
     world = _world(args)
     if not (args.module and args.training_script == TRAIN_MODULE and world):
         return None
-    from ..train.compose import check
+    from ..job.compose import check
 
     rank_env = dict(env, WORLD_SIZE=str(world), RANK="0", LOCAL_RANK="0",
                     LOCAL_WORLD_SIZE=str(_local_ranks(str(args.nproc_per_node))))

@@ -38,8 +38,7 @@ import importlib
 import torch
 from torch import nn
 
-NORM_IMPLS = ("auto", "torch", "apex")
-"""values of ``model.norm_impl`` / ``RMSNorm.impl``"""
+from ..config import norm_impl_value_error
 
 APEX_MISSING = ("model.norm_impl=apex: NVIDIA apex with its CUDA extensions is not importable here "
                 "(needs apex.normalization and fused_layer_norm_cuda; PyPI's 'apex' is unrelated); build it "
@@ -71,15 +70,11 @@ def apex_rms_norm_fn():
     return fn if callable(fn) else None
 
 
-def norm_impl_error(impl: str, check_apex: bool = True) -> str | None:
-    """Why ``impl`` cannot be used here (one line naming ``model.norm_impl`` and the fix), or None.
-    ``check_apex=False``: the value only (config validation; apex's presence is checked where the
-    job runs, megak3/train/compose.py check_local)."""
-    if impl not in NORM_IMPLS:
-        return f"model.norm_impl={impl!r}: choose 'auto', 'torch' or 'apex'"
-    if check_apex and impl == "apex" and apex_rms_norm_fn() is None:
-        return APEX_MISSING
-    return None
+def norm_impl_error(impl: str) -> str | None:
+    """Why ``impl`` cannot be used here (one line naming ``model.norm_impl`` and the fix), or None:
+    a value that is not one of megak3.config.NORM_IMPLS (the config's own check), or 'apex' when
+    apex is not built (checked where the job runs: megak3/job/compose.py check_local, set_norm_impl)."""
+    return norm_impl_value_error(impl) or (APEX_MISSING if impl == "apex" and apex_rms_norm_fn() is None else None)
 
 
 def _on_cuda(x: torch.Tensor) -> bool:

@@ -7,7 +7,7 @@ nothing downstream needs and which the schedule can place in what would otherwis
 Inside ``with store.capture():`` (the forward *and* the backward of a micro-batch; activation
 checkpointing passes ``context_fn=checkpoint_contexts`` so its recomputation defers alike), every
 ``F.linear`` whose weight requires a gradient (nn.Linear, the tensor-parallel linears and the QAT
-linears all end in it) and every routed-expert GEMM (``megak3.model.moe.grouped_linear``) runs
+linears all end in it) and every routed-expert GEMM (``megak3.ops.grouped_gemm.grouped_linear``) runs
 through an autograd function whose backward returns only the input (and bias) gradient and records
 the GEMM's (input, output-gradient) pair under ``store.key``. ``store.flush(key)`` later computes
 ``dW = g^T x`` for every recorded GEMM and feeds it into the weight's autograd graph with one
@@ -77,9 +77,10 @@ class WeightGradStore:
     def defer_linear(self, weight, x, g) -> None:
         self._record(("linear", weight, x, g))
 
-    def defer_grouped(self, weight, x, g, counts, impl=None, dtype=None) -> None:
-        """``dtype``: the forward's compute dtype (bf16 under autocast), in which dW is formed."""
-        self._record(("grouped", weight, x, g, counts, impl, dtype))
+    def defer_gemm(self, weight, x, g, dw: Callable) -> None:
+        """Any other GEMM on ``weight``: ``dw(weight, x, g)`` gives its weight gradient at flush
+        (megak3/ops/grouped_gemm.py defers the routed-expert GEMMs this way)."""
+        self._record(("gemm", weight, x, g, dw))
 
     def defer_call(self, fn: Callable[[], None]) -> None:
         """Any other deferred weight-gradient work (a closure run at flush)."""
@@ -104,11 +105,8 @@ class WeightGradStore:
                 _, _, x, g = item
                 gw = g.reshape(-1, g.shape[-1]).T.to(w.dtype) @ x.reshape(-1, x.shape[-1]).to(w.dtype)
             else:
-                from megak3.model.moe import grouped_weight_grad
-
-                _, _, x, g, counts, impl, dt = item
-                dt = dt or w.dtype   # the forward's compute dtype, as autograd's dW of grouped_mm
-                gw = grouped_weight_grad(x.to(dt), g.to(dt), counts, w.shape[0], impl).to(w.dtype)
+                _, _, x, g, dw = item
+                gw = dw(w, x, g)
             slot = grads.setdefault(id(w), [w, None])
             slot[1] = gw if slot[1] is None else slot[1] + gw
         if grads:
@@ -124,7 +122,7 @@ def _item_bytes(item) -> int:
     return sum(t.numel() * t.element_size() for t in item[2:4]) if item[0] != "call" else 0
 
 
-class _Weight:
+class WeightRef:
     """Carries a weight into an autograd function *without* an autograd edge: B never enters the
     weight's own graph (QAT fake-quant, fetched replicas), so it is still intact, and unfreed, at W."""
 
@@ -136,7 +134,7 @@ class _Weight:
 
 class _DeferredLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, bias, store, weight: _Weight):
+    def forward(ctx, x, bias, store, weight: WeightRef):
         ctx.save_for_backward(x)
         ctx.store, ctx.weight, ctx.has_bias = store, weight.w, bias is not None
         return F.linear(x, weight.w.detach(), bias)
@@ -150,38 +148,6 @@ class _DeferredLinear(torch.autograd.Function):
         ctx.store.defer_linear(w, x, g)
         ctx.weight = None
         return gx, gb, None, None
-
-
-class _DeferredGroupedLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_XI, counts, store, use_grouped_mm, weight: _Weight):
-        from megak3.model.moe import grouped_linear
-
-        ctx.save_for_backward(x_XI, counts)
-        ctx.store, ctx.gmm, ctx.weight = store, use_grouped_mm, weight.w
-        y = grouped_linear(x_XI, weight.w.detach(), counts, use_grouped_mm)
-        ctx.dt = y.dtype
-        return y
-
-    @staticmethod
-    def backward(ctx, g_XO):
-        from megak3.model.moe import grouped_linear
-
-        x_XI, counts = ctx.saved_tensors
-        w = ctx.weight
-        gx = None
-        if ctx.needs_input_grad[0]:  # g_e @ w_e = g_e @ (w_e^T)^T
-            gx = grouped_linear(g_XO.contiguous(), w.detach().transpose(-2, -1).contiguous().to(g_XO.dtype),
-                                counts, ctx.gmm)
-        ctx.store.defer_grouped(w, x_XI, g_XO, counts, ctx.gmm, ctx.dt)
-        ctx.weight = None
-        return gx, None, None, None, None
-
-
-def deferred_grouped_linear(store, x_XI, w_EOI, tokens_per_expert_E, use_grouped_mm):
-    """``grouped_linear`` whose weight gradient waits for ``store.flush`` (no host sync: the counts
-    stay a device tensor, dW is :func:`megak3.model.moe.grouped_weight_grad`)."""
-    return _DeferredGroupedLinear.apply(x_XI, tokens_per_expert_E, store, use_grouped_mm, _Weight(w_EOI))
 
 
 class _LinearMode(TorchFunctionMode):
@@ -198,5 +164,5 @@ class _LinearMode(TorchFunctionMode):
             w = args[1] if len(args) > 1 else kwargs["weight"]
             b = args[2] if len(args) > 2 else kwargs.get("bias")
             if isinstance(w, torch.Tensor) and w.requires_grad and isinstance(x, torch.Tensor) and x.requires_grad:
-                return _DeferredLinear.apply(x, b, self.store, _Weight(w))
+                return _DeferredLinear.apply(x, b, self.store, WeightRef(w))
         return func(*args, **kwargs)

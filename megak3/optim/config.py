@@ -98,7 +98,7 @@ class OptimConfig:
 
 def offload_error(cfg: OptimConfig) -> str | None:
     """Why this machine cannot run ``cfg``'s offload kernel (one line naming the field), or None.
-    Checked where the job runs (megak3/train/compose.py check_local), not where it is composed."""
+    Checked where the job runs (megak3/job/compose.py check_local), not where it is composed."""
     if cfg.offload == "cpu" and cfg.offload_impl == "deepspeed" and find_spec("deepspeed") is None:
         return (f"optim.offload_impl='deepspeed' needs DeepSpeed, which is not installed: {DEEPSPEED_INSTALL}, "
                 "or set optim.offload_impl=torch")

@@ -60,7 +60,7 @@ def run(args, rl_over, optim_over, shuffle: bool) -> dict:
     from megak3.inference import Engine
     from megak3.optim.config import OptimConfig
     from megak3.posttrain.rl import RLConfig, RLRunner
-    from megak3.train.config import JobConfig, TrainConfig
+    from megak3.job.config import JobConfig, TrainConfig
 
     rl = RLConfig()
     for k, v in rl_over:

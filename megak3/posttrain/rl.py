@@ -48,7 +48,7 @@ from ..data.packing import IGNORE_INDEX
 from ..inference import Engine, SamplingParams
 from ..model.k3 import build_model
 from ..quant import apply_quantization
-from ..train.config import JobConfig
+from ..job.config import JobConfig
 from ..train.step import RankStep, all_reduce_sum
 from .buffer import Rollout, RolloutBuffer
 from .objective import LossConfig, group_advantages, policy_loss, staleness_weights, token_logprobs

@@ -8,11 +8,13 @@
     python -m megak3.train -m parallel=tp2_dp2,tp1_dp4,tp4_dp1 train.max_steps=20   # layout sweep
 
 Defaults live in conf/config.yaml; every field is documented in the dataclasses of
-megak3/train/config.py and the modules it imports (``--help`` prints them). The overrides are
-composed and validated before Hydra writes anything (megak3/train/compose.py): a user error
-prints one line and exits 2.
+megak3/job/config.py and the modules it imports (``--help`` prints them). A run's overrides are
+composed once (megak3/job/compose.py) and validated before anything is written: a user error
+prints one line and exits 2; the same composed config then runs as Hydra's job (run directory,
+.hydra/ config copy, logging). A sweep (``-m``) and Hydra's own flags go through Hydra's main,
+after every swept value was checked.
 
-Ranks (megak3/launch/config.py, ``launcher.*``): a job that needs more than one rank
+Ranks (megak3/job/launcher.py, ``launcher.*``): a job that needs more than one rank
 (``launcher.nproc_per_node``, or the layout's size when ``parallel.dp`` > 0) and is not already a
 torchrun / SLURM rank is started as ``python -m megak3.launch.torchrun --standalone
 --nproc-per-node N`` in a subprocess (SIGTERM / SIGUSR1 / SIGINT are passed on to it),
@@ -37,11 +39,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..config import CONF_DIR
 from ..launch import commands
-from ..launch.config import LauncherConfig
 from ..launch.preemption import REQUEUE_EXIT_CODE, Preempted, catch_early
 from ..launch.sweep import error_line, write_status
 from ..launch.torchrun import forward_signals, record_user_error
-from .compose import check, split_launcher, to_job  # noqa: F401  (split_launcher, to_job: re-exported)
+from ..job.compose import check, compose, one_line, prepare, split_launcher, task_config, to_job
+from ..job.launcher import SLURM_MARKER, LauncherConfig, inside_launcher
 
 
 def _peak_memory_per_rank(pstate) -> list:
@@ -57,14 +59,18 @@ def _peak_memory_per_rank(pstate) -> list:
     return box
 
 
-def run(cfg: DictConfig) -> dict:
-    """Train in this process (one rank of the job); returns the trainer's result."""
+def run(cfg: DictConfig, prepared: Optional[tuple] = None) -> dict:
+    """Train in this process (one rank of the job); returns the trainer's result. ``prepared``:
+    (JobConfig, notices) of ``cfg`` when the start-up already validated it."""
     from parallel.state import destroy_parallel, init_parallel
 
     from .trainer import Trainer
 
-    notices: list = []
-    job = to_job(cfg, notices=notices)
+    if prepared is None:
+        notices: list = []
+        job = to_job(cfg, notices=notices)
+    else:
+        job, notices = prepared
     if int(os.environ.get("RANK", "0")) == 0:
         for line in notices:
             print(f"megak3.train: {line}", flush=True)
@@ -142,8 +148,9 @@ def _layout_name(cfg: DictConfig, overrides: list) -> str:
     return deg + ("_sp" if p.sequence_parallel else "")
 
 
-def job(cfg: DictConfig) -> int:
-    """One Hydra job: spawn its ranks or train in-process; write status.json. Returns the exit code."""
+def job(cfg: DictConfig, prepared: Optional[tuple] = None) -> int:
+    """One Hydra job: spawn its ranks or train in-process; write status.json. Returns the exit code.
+    ``prepared``: (JobConfig, notices) of ``cfg``, validated on the ranks it runs on (:func:`run_once`)."""
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     rank = int(os.environ.get("RANK", "0"))
@@ -157,11 +164,12 @@ def job(cfg: DictConfig) -> int:
         _, launcher = split_launcher(cfg)
         nproc = launcher.resolved_nproc(cfg.parallel)
         info["nproc"] = nproc
-        if nproc * launcher.nnodes > 1 and not commands.inside_launcher():
+        if nproc * launcher.nnodes > 1 and not inside_launcher():
             if launcher.nnodes > 1:
                 raise ValueError(f"launcher.nnodes={launcher.nnodes}: multi-node jobs start through SLURM "
                                  "(tools/launch.py --slurm); locally use launcher.nnodes=1")
-            to_job(cfg, world_size=nproc)  # a layout that cannot run fails here, before any rank starts
+            if prepared is None:  # a layout that cannot run fails here, before any rank starts
+                to_job(cfg, world_size=nproc)
             rc, err = spawn(overrides, nproc, job_dir, launcher)
             info["returncode"] = rc
             if rc == REQUEUE_EXIT_CODE:
@@ -173,7 +181,7 @@ def job(cfg: DictConfig) -> int:
                 info["peak_memory_mb_per_rank"] = child.get("peak_memory_mb_per_rank")
         else:
             info["nproc"] = int(os.environ.get("WORLD_SIZE", "1"))
-            result = run(cfg)
+            result = run(cfg, prepared)
             info["peak_memory_mb_per_rank"] = result.get("peak_memory_mb_per_rank")
             info["steps"] = result.get("steps")
     except Preempted as e:
@@ -218,17 +226,61 @@ def _write(rank: int, job_dir: str, status: str, error, info: dict, t0: float) -
             print(f"megak3.train: could not write {job_dir}/status.json ({e})", file=sys.stderr)
 
 
+RANK_QUIET = ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+"""overrides of ranks > 0: only rank 0 writes Hydra's run directory and config copy"""
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> None:
-    code = job(cfg)
+    """A sweep (``-m``) or a run with Hydra's own flags (``--cfg``, ``--info``, ...): Hydra composes."""
+    _exit_unless_sweep(job(cfg))
+
+
+def _exit_unless_sweep(code: int) -> None:
     # in a sweep a failed job is recorded in its status.json and the next job runs
     if code and HydraConfig.get().mode != RunMode.MULTIRUN:
         sys.exit(code)
 
 
+def run_once(overrides: list, env=os.environ) -> int:
+    """One job (no sweep, no Hydra flag) from ONE composition of the config: compose (Hydra's run
+    config, ``hydra`` node included), validate on the ranks it runs on and against this machine
+    (bad input: one line, exit code 2, before anything is written), then run :func:`job` as Hydra
+    runs an app's task (run directory, .hydra/ config copy, logging, HydraConfig), with that config
+    and that JobConfig. Returns the exit code."""
+    from hydra._internal.callbacks import Callbacks
+    from hydra._internal.utils import run_and_report
+    from hydra.core.utils import configure_log, run_job
+    from hydra.types import HydraContext
+
+    rank = int(env.get("RANK", "0"))
+    notices: list = []
+    try:
+        cfg = compose(overrides + (RANK_QUIET if rank > 0 else []), run_as=hydra_main.__module__.rpartition(".")[2])
+        checked = prepare(task_config(cfg), env=env, notices=notices)
+    except ValueError as e:
+        _user_error(f"megak3.train: error: {one_line(e)}", rank)
+        return 2
+    if cfg.hydra.mode is None:
+        cfg.hydra.mode = RunMode.RUN
+    callbacks = Callbacks(cfg)
+
+    def start() -> None:
+        configure_log(cfg.hydra.hydra_logging, cfg.hydra.verbose)
+        callbacks.on_run_start(config=cfg, config_name="config")
+        ret = run_job(hydra_context=HydraContext(config_loader=None, callbacks=callbacks),
+                      task_function=lambda task: _exit_unless_sweep(job(task, (checked, notices))),
+                      config=cfg, job_dir_key="hydra.run.dir", job_subdir_key=None)
+        callbacks.on_run_end(config=cfg, config_name="config", job_return=ret)
+        _ = ret.return_value  # the job's exception, reported as Hydra reports it
+
+    run_and_report(start)
+    return 0
+
+
 def main() -> None:
     catch_early()  # a SIGTERM / SIGUSR1 during start-up stops the run at its first step, with a checkpoint
-    if os.environ.get(commands.SLURM_MARKER) == "1" and "RANK" not in os.environ:
+    if os.environ.get(SLURM_MARKER) == "1" and "RANK" not in os.environ:
         try:  # srun mode of the sbatch script: one task per GPU, ranks from SLURM's variables
             os.environ.update(commands.torch_env_from_slurm(os.environ))
         except ValueError as e:
@@ -240,14 +292,17 @@ def main() -> None:
 
         print(usage())
         sys.exit(0)
+    if not any(a.startswith("-") for a in argv):  # one run: composed once, checked, run
+        code = run_once(argv)
+        if code:
+            sys.exit(code)
+        return
     code, message = check(argv)  # bad input: one line, exit 2, before Hydra writes anything
     if code:
         _user_error(f"megak3.train: error: {message}", int(os.environ.get("RANK", "0")))
         sys.exit(code)
     if int(os.environ.get("RANK", "0")) > 0:
-        # only rank 0 writes Hydra's run directory and config copy; the others log nothing there
-        sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=none",
-                     "hydra/hydra_logging=none"]
+        sys.argv += RANK_QUIET
     hydra_main()
 
 

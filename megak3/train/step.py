@@ -42,7 +42,7 @@ from ..model.k3 import build_model
 from ..optim import lr_at, set_lr
 from ..quant import apply_quantization
 from ..quant.te import fp8_autocast_context
-from .config import JobConfig
+from ..job.config import JobConfig
 
 
 def all_reduce_sum(t: torch.Tensor, groups) -> torch.Tensor:

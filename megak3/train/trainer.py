@@ -43,7 +43,7 @@ from . import checkpoint as ckpt
 from . import shard_store as ckpt_store
 from . import summary
 from .step import RankStep, all_reduce_sum
-from .config import JobConfig
+from ..job.config import JobConfig
 
 
 def pick_device(name: str) -> torch.device:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 
 from ..config import CONF_DIR
-from ..launch.config import LaunchJobConfig
-from .compose import compose, groups
-from .fields import schema_fields, sections
+from ..job.compose import compose, groups
+from ..job.fields import schema_fields, sections
+from ..job.launcher import LaunchJobConfig
 
 HEAD = """usage: python -m megak3.train [GROUP=OPTION ...] [FIELD=VALUE ...]
        python -m megak3.train -m FIELD=A,B ...          a sweep: one job (and one torchrun) per value

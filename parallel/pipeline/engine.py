@@ -180,7 +180,10 @@ class PipelineEngine:
     chunks: this rank's layer range, or its ``vp`` ranges in chunk order (chunk c = virtual stage
         c * p + r of parallel.pipeline.partition_layers(cfg, p * vp)).
     group: the pipeline process group (None with one stage); rank r = rank in it.
-    schedule: one of schedules.SCHEDULES.
+    schedule: one of schedules.SCHEDULES; the engine checks it against the rank count and ``vp``
+        when built (a guard for direct users of the engine: a training job's schedule was checked
+        with its micro-batch count by megak3.job.config.check_layout before any rank started, and
+        each step's by build_schedule).
     seq_shard: the factor by which the token axis is sharded between stages (tp under SP, times cp).
     timeout_s: how long a receive may wait before the step fails with a clear error.
     batch_p2p: post each payload's sends / receives with ``dist.batch_isend_irecv`` (parallel.pp_batch_p2p).

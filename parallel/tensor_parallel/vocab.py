@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import collectives as C
-from .collectives import Group, group_rank, group_size
+from .collectives import (Group, all_reduce_max, all_reduce_sum, group_rank, group_size, reduce_from_tp,
+                          reduce_scatter_to_sp)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -77,8 +77,8 @@ class VocabParallelEmbedding(nn.Module):
         # zeroing the output also zeroes the grad those positions would send to local row 0
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
-            return C.reduce_scatter_to_sp(out, self.group, dim=self.sequence_dim)
-        return C.reduce_from_tp(out, self.group)
+            return reduce_scatter_to_sp(out, self.group, dim=self.sequence_dim)
+        return reduce_from_tp(out, self.group)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp}, "
@@ -98,7 +98,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         x_NV = logits_local.float()
         n_local = x_NV.shape[-1]
         start = group_rank(group) * n_local
-        row_max_N = C.all_reduce_max(x_NV.max(dim=-1).values, group)
+        row_max_N = all_reduce_max(x_NV.max(dim=-1).values, group)
         shifted_NV = x_NV - row_max_N.unsqueeze(-1)  # <= 0: exp cannot overflow
         exp_NV = shifted_NV.exp()
 
@@ -107,7 +107,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         here_N = valid_N & (local_t_N >= 0) & (local_t_N < n_local)
         local_t_N = local_t_N.masked_fill(~here_N, 0)
         target_logit_N = shifted_NV.gather(-1, local_t_N.unsqueeze(-1)).squeeze(-1).masked_fill(~here_N, 0.0)
-        sums_2N = C.all_reduce_sum(torch.stack([exp_NV.sum(dim=-1), target_logit_N]), group)
+        sums_2N = all_reduce_sum(torch.stack([exp_NV.sum(dim=-1), target_logit_N]), group)
         sum_exp_N, target_logit_N = sums_2N[0], sums_2N[1]
 
         loss_N = (sum_exp_N.log() - target_logit_N).masked_fill(~valid_N, 0.0)

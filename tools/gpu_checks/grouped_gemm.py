@@ -21,7 +21,7 @@ def _expert_counts(X, E, dev, seed=0):
 
 
 def part_grouped_gemm(dev, quick, ctx):
-    from megak3.model.moe import grouped_linear, pick_impl
+    from megak3.ops.grouped_gemm import grouped_linear, pick_impl
 
     if dev.type == "cuda":
         E, L, m, X = 128, 512, 512, (8192 if quick else 32768)     # k3_mini experts, 8K tokens x top-4
@@ -73,7 +73,7 @@ def _grouped_rules_checks(dev, x, w, dy, counts, ref_b, out, chk) -> None:
     """Every grouped_mm call of the training path (bf16 autocast over fp32 masters: forward,
     backward, and the zero-bubble deferred dW) within megak3/ops/cuda_rules.py's rules; on a GPU
     where autocast picks grouped_mm, the kernel itself takes 1023 groups and refuses 1024."""
-    from megak3.model.moe import grouped_linear
+    from megak3.ops.grouped_gemm import grouped_linear
     from megak3.ops.cuda_rules import GROUPED_MM_MAX_GROUPS, record_grouped_mm
     from megak3.ops.weight_grad import WeightGradStore
 

@@ -20,7 +20,7 @@ def _job(model_name, overrides, seq_len, batch, steps, precision, device, fp8="n
     from megak3.data.config import DataConfig
     from megak3.optim import OptimConfig
     from megak3.quant.config import QuantConfig
-    from megak3.train.config import JobConfig, TrainConfig
+    from megak3.job.config import JobConfig, TrainConfig
     from parallel.config import ParallelConfig
 
     return JobConfig(

@@ -10,7 +10,7 @@ Context parallelism (parallel.cp, parallel/context_parallel.py; cp = 1 plans exa
   tokens     every per-rank token count (activations, kept layer inputs, TP / EP / PP traffic,
              MoonEP buffers, QB margins) is the micro-batch's mbs x seq_len / cp (/ tp under SP).
   KDA layer  (cp_layer_figures) the coefficients' activations of the local tokens; on ranks > 0
-             the local pass runs on [v | 0_K] from [0 | I] (megak3/ops/kda_cp.py), which adds the
+             the local pass runs on [v | 0_K] from [0 | I] (parallel/kda_cp.py), which adds the
              identity block's chunk states (the HKK_C term again x K/V), the zero value block and u
              ([t, H/tp, K] fp32 each); + the fixed summaries, own [B, H/tp, K, K+V] and gathered
              [cp, B, H/tp, K, K+V] fp32. Nothing grows faster than T / cp.

@@ -1,8 +1,9 @@
 """The training job's schema: one dataclass per Hydra group (conf/config.yaml).
 
 Every field is typed with a one-line docstring. ``JobConfig.validate()`` runs every section's
-checks and the cross-section ones (batch divisibility, sequence length vs the model's limit)
-before any work starts; each error names the field and the fix.
+checks and the cross-section ones (batch divisibility, the layout against the data and model in
+:func:`check_layout`, sequence length vs the model's limit) before any work starts; each error
+names the field and the fix.
 """
 from __future__ import annotations
 
@@ -17,6 +18,31 @@ from ..data.config import DataConfig
 from ..metrics.config import LoggingConfig
 from ..optim.config import OptimConfig
 from ..quant.config import QuantConfig
+
+
+def check_layout(par, seq_len: int, model_cfg: Optional[ModelConfig] = None,
+                 micro_batches: Optional[int] = None) -> None:
+    """Raise ValueError naming the field and the fix when a parallel layout cannot run this data
+    and model: expert parallelism with TP needs SP, CP's split of ``seq_len``
+    (parallel.context_parallel.check_context_parallel), SP's split of ``seq_len`` over TP, and the
+    pipeline schedule against the ``micro_batches`` of one step (checked when given and pp > 1).
+
+    The one home of these checks: JobConfig.validate calls it, and so may any caller that holds a
+    layout. ``par``: a parallel.config.ParallelConfig, or anything with its fields tp, cp, pp, vp,
+    ep, sequence_parallel, pp_schedule, cp_balance, cp_balance_split (e.g. the planner's
+    PlanConfig); ``model_cfg``, when given, adds the KDA conv halo check of CP.
+    """
+    from parallel.context_parallel import check_context_parallel
+    from parallel.pipeline.schedules import check_schedule
+
+    check_expert_tp(par.ep, par.tp, par.sequence_parallel)
+    check_context_parallel(par.cp, par.tp, par.sequence_parallel, seq_len, model_cfg,
+                           balance_split=par.cp_balance_split if par.cp_balance else 0)
+    if par.sequence_parallel and par.tp > 1 and seq_len % par.tp:
+        raise ValueError(f"data.seq_len={seq_len} must be a multiple of parallel.tp={par.tp} "
+                         "with parallel.sequence_parallel=true")
+    if par.pp > 1 and micro_batches is not None:
+        check_schedule(par.pp_schedule, par.pp, par.vp, micro_batches)
 
 
 @dataclass
@@ -124,25 +150,14 @@ class JobConfig:
         if isinstance(etp, int) and not isinstance(etp, bool) and etp > 1:
             raise ValueError(f"parallel.etp={etp}: expert tensor parallelism is not built yet; set parallel.etp=1")
         self.parallel.validate(world_size, self.model)
-        from parallel.context_parallel import check_context_parallel
-
-        check_context_parallel(self.parallel.cp, self.parallel.tp, self.parallel.sequence_parallel,
-                               self.data.seq_len, self.model,
-                               balance_split=self.parallel.cp_balance_split if self.parallel.cp_balance else 0)
-        self.moonep.validate(self.model.moe.num_experts, self.parallel.ep)
         par, t = self.parallel, self.train
-        check_expert_tp(par.ep, par.tp, par.sequence_parallel)
-        if par.sequence_parallel and par.tp > 1 and self.data.seq_len % par.tp:
-            raise ValueError(f"data.seq_len={self.data.seq_len} must be a multiple of parallel.tp={par.tp} "
-                             "with parallel.sequence_parallel=true")
+        rows = t.micro_batch_size * par.resolved_dp(world_size)
+        check_layout(par, self.data.seq_len, self.model,
+                     micro_batches=t.global_batch_size // rows if t.global_batch_size % rows == 0 else None)
+        self.moonep.validate(self.model.moe.num_experts, self.parallel.ep)
         if self.data.path in ("demo", "demo_vision") and self.data.vocab_size > self.model.vocab_size:
             raise ValueError(f"data.vocab_size={self.data.vocab_size} exceeds model.vocab_size={self.model.vocab_size}; "
                              "lower data.vocab_size or raise model.vocab_size")
-        rows = t.micro_batch_size * par.resolved_dp(world_size)
-        if par.pp > 1 and t.global_batch_size % rows == 0:  # the schedule against the step's micro-batches
-            from parallel.pipeline.schedules import check_schedule
-
-            check_schedule(par.pp_schedule, par.pp, par.vp, t.global_batch_size // rows)
         if self.data.seq_len > self.model.max_seq_len:
             raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len="
                              f"{self.model.max_seq_len}; lower data.seq_len")

@@ -64,8 +64,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..model.seqinfo import SeqInfo, make_seq_info
-from .kda import kda
+from megak3.model.seqinfo import SeqInfo, make_seq_info
+from megak3.ops.kda import kda
 
 __all__ = ["kda_cp", "all_gather_autograd", "segment_affine_map", "exchange_conv_halo", "conv_halo_seq_info", "cp_local_docs",
            "CPDocs", "comm_log", "record_comm", "CommLog"]

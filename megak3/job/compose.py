@@ -4,10 +4,12 @@ becomes a :class:`ConfigError` whose message is one line naming the field and th
 
     cfg = compose(["model=k3_tiny", "train.max_steps=3"])   # DictConfig, launcher group included
     job = to_job(cfg, world_size=4)                         # the validated JobConfig of 4 ranks
+    job = prepare(cfg)                                      # ... on the ranks it runs on, this machine checked
     check(["parallel=tp9"])                                 # (2, "parallel=tp9: no such option; choose ...")
 
-``python -m megak3.train``, ``python -m megak3.launch.torchrun`` and ``tools/launch.py`` run
-:func:`check` (or compose + to_job) before any rank starts or any file is written.
+``python -m megak3.train`` composes a run once (``compose(overrides, run_as=...)``) and checks it
+with :func:`prepare`; ``python -m megak3.launch.torchrun`` and ``tools/launch.py`` run :func:`check`
+(or compose + to_job); all before any rank starts or any file is written.
 """
 from __future__ import annotations
 
@@ -22,9 +24,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ..config import CONF_DIR
-from ..launch.commands import inside_launcher
-from ..launch.config import LauncherConfig, LaunchJobConfig
 from .config import JobConfig
+from .launcher import LauncherConfig, LaunchJobConfig, inside_launcher
 from .fields import schema_fields
 
 # JobConfig plus the launcher group (popped before the job reaches the trainer)
@@ -130,23 +131,42 @@ def explain(e: BaseException, overrides: Sequence[str]) -> str:
     return one_line(e)
 
 
-def compose(overrides: Sequence[str]) -> DictConfig:
-    """conf/config.yaml composed with ``overrides`` (Hydra's ``hydra.*`` ones are left to Hydra)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+def compose(overrides: Sequence[str], run_as: Optional[str] = None) -> DictConfig:
+    """conf/config.yaml composed with ``overrides``. Without ``run_as``, Hydra's ``hydra.*``
+    overrides are left to Hydra and the result has no ``hydra`` node; with ``run_as`` (the Hydra
+    job name), the result is the whole run config a Hydra app gets (``hydra`` node included, its
+    overrides applied), composed once for both the checks and the run."""
+    from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
 
-    overrides = [o for o in overrides if not _key(o).startswith(("hydra.", "hydra/"))]
+    if run_as is None:
+        overrides = [o for o in overrides if not _key(o).startswith(("hydra.", "hydra/"))]
     for o in overrides:  # '+key=value' adds keys; the schema has every key there is
         if o.startswith("+") and "=" in o and _key(o) not in known_fields() and _key(o) not in groups():
             raise ConfigError(f"{_key(o)}: no such field{_did_you_mean(_key(o))}; {HELP_HINT}")
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return hydra_compose(config_name="config", overrides=list(overrides))
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name=run_as or "app"):
+            cfg = GlobalHydra.instance().hydra.compose_config(
+                config_name="config", overrides=list(overrides), run_mode=RunMode.RUN, from_shell=False,
+                with_log_configuration=False)
+            if run_as is None:
+                with open_dict(cfg):
+                    del cfg["hydra"]
+            return cfg
     except Exception as e:  # noqa: BLE001  (Hydra and OmegaConf errors of every kind)
         raise ConfigError(explain(e, overrides)) from None
     finally:
         GlobalHydra.instance().clear()
+
+
+def task_config(cfg: DictConfig) -> DictConfig:
+    """A copy of a run config (:func:`compose` with ``run_as``) without its ``hydra`` node."""
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.pop("hydra", None)
+    return cfg
 
 
 # ---- validation ---------------------------------------------------------------------------------
@@ -274,29 +294,42 @@ def _check_sweep(overrides: Sequence[str]) -> None:
             compose([v if j == i else other[0] for j, other in enumerate(first)])
 
 
-def check(argv: Sequence[str], env: Mapping[str, str] = os.environ, local: bool = True) -> Tuple[int, Optional[str]]:
-    """What ``python -m megak3.train ARGV`` says about its input before any work:
-    (0, None) or (2, the one-line error). A sweep (``-m``) checks that every value composes;
-    Hydra's own flags (``--cfg``, ``--info``, ...) are left to Hydra. ``local=False`` skips
-    :func:`check_local` (a config meant for another machine)."""
-    argv = list(argv)
-    if any(a.startswith("-") and a not in HYDRA_FLAGS_OK for a in argv):
-        return 0, None
-    overrides = [a for a in argv if a not in HYDRA_FLAGS_OK]
+def prepare(cfg: DictConfig, env: Mapping[str, str] = os.environ, local: bool = True,
+            notices: Optional[list] = None) -> JobConfig:
+    """The validated JobConfig of a composed ``cfg`` (no ``hydra`` node) on the ranks it runs on
+    (:func:`world_of`), checked against this machine unless ``local=False``; the defaults it
+    resolved are appended to ``notices``. A user error is a one-line ConfigError (a multi-rank
+    layout started as one process says how to start its ranks)."""
     world = None
     try:
-        if len(overrides) < len(argv):
-            _check_sweep(overrides)
-        else:
-            cfg = compose(overrides)
-            world = world_of(cfg, env)
-            job = to_job(cfg, world_size=world, env=env)
-            if local:
-                check_local(job)
+        world = world_of(cfg, env)
+        job = to_job(cfg, world_size=world, notices=notices, env=env)
+        if local:
+            check_local(job)
     except ValueError as e:
         msg = one_line(e)
         if world == 1 and "world_size=1" in msg:  # a multi-rank layout started as one process
             msg += ("; to start N ranks: python -m megak3.launch.torchrun --standalone --nproc-per-node N "
                     "-m megak3.train ..., or add launcher.nproc_per_node=N")
-        return 2, msg
+        raise ConfigError(msg) from None
+    return job
+
+
+def check(argv: Sequence[str], env: Mapping[str, str] = os.environ, local: bool = True) -> Tuple[int, Optional[str]]:
+    """What ``python -m megak3.train ARGV`` says about its input before any work:
+    (0, None) or (2, the one-line error). A sweep (``-m``) checks that every value composes;
+    Hydra's own flags (``--cfg``, ``--info``, ...) are left to Hydra. ``local=False`` skips
+    :func:`check_local` (a config meant for another machine). (``python -m megak3.train`` itself
+    checks a single run in :func:`prepare` on the config it runs, composed once.)"""
+    argv = list(argv)
+    if any(a.startswith("-") and a not in HYDRA_FLAGS_OK for a in argv):
+        return 0, None
+    overrides = [a for a in argv if a not in HYDRA_FLAGS_OK]
+    try:
+        if len(overrides) < len(argv):
+            _check_sweep(overrides)
+        else:
+            prepare(compose(overrides), env=env, local=local)
+    except ValueError as e:
+        return 2, one_line(e)
     return 0, None

@@ -1,4 +1,5 @@
-"""The ``launcher`` config group (conf/launcher/): how a job's ranks are started.
+"""The ``launcher`` config group (conf/launcher/): how a job's ranks are started, and whether this
+process already is one of them (:func:`inside_launcher`).
 
 ``python -m megak3.train`` reads ``launcher.nproc_per_node``: when a job needs more than one rank
 and the process is not already a torchrun/SLURM rank, it re-runs itself under
@@ -7,12 +8,20 @@ every layout with its own ranks). The SLURM fields are read by ``tools/launch.py
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Mapping, Optional
 
-from ..train.config import JobConfig
+from .config import JobConfig
 
 MODES = ("srun", "torchrun")
+SLURM_MARKER = "MEGAK3_SLURM_SRUN"
+"""set to 1 by the sbatch script in srun mode: each task maps SLURM_* to torch's variables"""
+
+
+def inside_launcher(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether this process already is one rank of a torchrun / SLURM-srun job."""
+    return "LOCAL_RANK" in env or "TORCHELASTIC_RUN_ID" in env or env.get(SLURM_MARKER) == "1"
 
 
 @dataclass

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Step-time cost of a checkpoint, synchronous vs asynchronous (megak3/train/shard_store.py).
+"""Step-time cost of a checkpoint, synchronous vs asynchronous (megak3/checkpoint/writer.py).
 
     python tools/bench_checkpoint.py [--state-mib 256] [--step-ms 400] [--steps 12] [--save-every 4]
 
@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from megak3.train.shard_store import ShardedCheckpointer, ShardEntry
+    from megak3.checkpoint.writer import ShardedCheckpointer, ShardEntry
 
     torch.set_num_threads(args.threads)
     n = args.state_mib * 2 ** 20 // 4 // 16

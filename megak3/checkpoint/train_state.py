@@ -198,48 +198,55 @@ class TrainCheckpoint:
         ``"none"``: nothing. A path: that checkpoint, or a one-line ValueError (never substituted).
         ``"auto"``: the newest complete checkpoint under ``root``; when any rank cannot read its own
         shards of it (a file truncated or corrupted after the commit: each rank checks only the files it
-        reads, so nothing here is O(world)), the ranks agree on that (one all-reduce) and fall back to
-        the next older one with a CheckpointWarning. A file needing the full unpickler is never skipped
-        over: one-line ValueError on the rank that read it."""
+        reads, so nothing here is O(world)), the ranks agree on that (one all-reduce per checkpoint tried)
+        and fall back to the next older one together, with a CheckpointWarning. A file needing the full
+        unpickler is never skipped over: every rank raises a one-line ValueError (the rank that read it
+        names the file; the others name that rank), so no rank goes on to wait in a collective."""
         if spec == "none":
             return None, None
-        if spec != "auto":
+        explicit = spec != "auto"
+        if explicit:
             path = Path(spec)
             ok, why = atomic.validate_checkpoint(path)
             if not ok:
                 raise ValueError(f"train.resume={spec}: not a complete checkpoint ({why}); "
                                  "use train.resume=auto to pick the newest complete one")
-            try:
-                return path, self.load(path)
-            except CheckpointError as e:
-                raise ValueError(str(e)) from None
         failed: set = set()
         while True:
-            path = atomic.find_latest(self.root, exclude=failed)
-            if path is None:
-                return None, None
-            error, common = None, None
+            if not explicit:
+                path = atomic.find_latest(self.root, exclude=failed)
+                if path is None:
+                    return None, None
+            error, common, unsafe = None, None, False
             try:
                 common = self.load(path)
             except UnsafeCheckpointError as e:
-                raise ValueError(str(e)) from None
+                error, unsafe = e, True
             except CheckpointError as e:
                 error = e
-            if not self._any_rank(error is not None):
+            failed_any, unsafe_rank = self._agree(error is not None, self.ps.rank if unsafe else -1)
+            if not failed_any:
                 return path, common
+            if unsafe_rank >= 0 or explicit:
+                if error is not None:
+                    raise ValueError(str(error)) from None
+                why = (f"rank {unsafe_rank} refused a file of it that only a full unpickler could load (nothing "
+                       "in it was run; see that rank's error)" if unsafe_rank >= 0 else
+                       "another rank could not read its shards")
+                raise ValueError(f"checkpoint {path}: {why}")
             warnings.warn(f"skipping checkpoint {path}: {error or 'another rank could not read its shards'}",
                           CheckpointWarning, stacklevel=2)
             failed.add(path)
 
-    def _any_rank(self, flag: bool) -> bool:
-        """True when ``flag`` is True on any rank (one all-reduce over the host group, or the default
-        group on this rank's device)."""
+    def _agree(self, failed: bool, unsafe_rank: int) -> tuple[bool, int]:
+        """``(failed on any rank, the highest rank that met an unsafe file or -1)``: one all-reduce (MAX)
+        over the host group, or the default group on this rank's device."""
         if self.ps.world_size == 1:
-            return flag
+            return failed, unsafe_rank
         group = self.ps.host_group
-        t = torch.tensor([float(flag)], device="cpu" if group is not None else self.device)
+        t = torch.tensor([float(failed), float(unsafe_rank)], device="cpu" if group is not None else self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return bool(t.item())
+        return bool(t[0].item()), int(t[1].item())
 
 
 # --------------------------------------------------------------------------------------------- RNG

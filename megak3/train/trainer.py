@@ -26,6 +26,8 @@ from parallel.context_parallel import check_context_parallel
 from parallel.plan import ParallelPlan
 from parallel.state import ParallelState
 
+from ..checkpoint.atomic import step_dirname
+from ..checkpoint.train_state import TrainCheckpoint
 from ..data.config import resolve_dataset
 from ..data.indexed import IndexedDataset
 from ..data.images import has_images
@@ -38,8 +40,6 @@ from ..metrics.telemetry import GPUTelemetry, Throughput, peak_memory_mb
 from ..model.balancing import max_violation
 from ..model.k3 import K3Model
 from ..posttrain.sft_data import is_sft_dataset, open_sft_split
-from ..checkpoint.atomic import step_dirname
-from ..checkpoint.train_state import TrainCheckpoint
 from . import summary
 from .step import RankStep, all_reduce_sum
 from .config import JobConfig

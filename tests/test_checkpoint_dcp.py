@@ -125,3 +125,16 @@ def test_trainer_resumes_a_checkpoint_converted_there_and_back(corpus_dataset, t
         assert st.keys() == got["state"][n].keys(), n
         for k, v in st.items():
             assert torch.equal(v, got["state"][n][k]) if torch.is_tensor(v) else v == got["state"][n][k], (n, k)
+
+
+def test_boxes_through_dcp_planners(tmp_path):
+    """save_boxes / load_boxes (the benchmark's DCP side): a sub-box reads back exactly; DCP reads the
+    whole saved chunk to narrow it (the bytes tools/bench_checkpoint.py --vs-dcp counts)."""
+    w = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    dcp.save_boxes(tmp_path / "d", {"w": ((6, 4), (0, 0), (6, 4), torch.float32, lambda: w)},
+                   {dcp.COMMON_KEY: {"step": 1}})
+    out = torch.empty(4, 2)
+    objs, reader = dcp.load_boxes(tmp_path / "d", {"w": ((1, 1), out)}, [dcp.COMMON_KEY])
+    assert torch.equal(out, w[1:5, 1:3]) and objs == {dcp.COMMON_KEY: {"step": 1}}
+    assert reader.bytes_read >= w.numel() * 4 > out.numel() * 4
+    assert reader.meta_bytes_read == (tmp_path / "d" / dcp.METADATA_FILE).stat().st_size

@@ -4,7 +4,7 @@ Every rank writes only its own shards (:mod:`.writer`); any layout reads only wh
 
 Data model. A checkpoint holds named global tensors (``"model/layers.0.mlp.experts.w1"``,
 ``"optim/layers.0.mlp.experts.w1/momentum_buffer"``, ...). A rank saves, per key, one box of the
-global tensor: a :class:`ShardEntry` with the local tensor, the global shape and the offsets of the
+global tensor: a :class:`.writer.ShardEntry` with the local tensor, the global shape and the offsets of the
 box (``[offsets, offsets + local.shape)``; any dim may be sliced; the whole tensor is a replicated
 one). The caller passes each distinct box from one rank only (e.g. the data-parallel rank 0 of its
 replicas); identical duplicate boxes from several ranks are tolerated (the lowest rank's is kept),
@@ -49,7 +49,7 @@ On disk (one directory per step, committed by :mod:`.atomic`, whose ``latest`` /
 
 ``dtype`` is the torch dtype's name (``"float32"``, ``"bfloat16"``, ...); the bytes are the tensor's
 own, so every dtype round-trips bit for bit. ``crc32`` is zlib's over the chunk's bytes. ``seq``
-counts the ``save()`` calls of the writing :class:`ShardedCheckpointer`; rank 0 accepts only markers
+counts the ``save()`` calls of the writing :class:`.writer.ShardedCheckpointer`; rank 0 accepts only markers
 whose ``step``, ``world_size`` and ``seq`` equal its own, so the marker of an earlier failed attempt
 """
 from __future__ import annotations

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from megak3.train import checkpoint as ckpt
-from megak3.train.checkpoint import (CheckpointError, CheckpointWarning, capture_rng_state,
-                                     find_latest, list_checkpoints, load_checkpoint,
-                                     restore_rng_state, save_checkpoint, validate_checkpoint)
+from megak3.checkpoint import atomic as ckpt
+from megak3.checkpoint.atomic import (CheckpointError, CheckpointWarning, find_latest, list_checkpoints,
+                                     validate_checkpoint)
+from megak3.checkpoint.legacy import load_checkpoint, save_checkpoint
+from megak3.checkpoint.train_state import capture_rng_state, restore_rng_state
 
 
 def _state(seed: int) -> dict:

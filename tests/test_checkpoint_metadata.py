@@ -1,5 +1,5 @@
 """Checkpoint metadata that scales: a reader reads the index parts of the keys it asks for, not every
-key's chunks (megak3/train/shard_index.py); the single-index format before parts still reads."""
+key's chunks (megak3/checkpoint/key_index.py); the single-index format before parts still reads."""
 from __future__ import annotations
 
 import hashlib
@@ -9,10 +9,11 @@ import shutil
 import pytest
 import torch
 
-from megak3.train import checkpoint as ckpt
-from megak3.train.checkpoint import CheckpointError
-from megak3.train.shard_index import front_decode, natural_sorted
-from megak3.train.shard_store import CheckpointReader, ShardedCheckpointer, ShardEntry
+from megak3.checkpoint import atomic as ckpt
+from megak3.checkpoint.atomic import CheckpointError
+from megak3.checkpoint.key_index import front_decode, natural_sorted
+from megak3.checkpoint.reader import CheckpointReader
+from megak3.checkpoint.writer import ShardedCheckpointer, ShardEntry
 
 torch.set_num_threads(1)
 LAYERS = 64
@@ -156,10 +157,10 @@ def test_metadata_read_per_rank_is_constant_in_the_world_size(tmp_path):
 
 
 def test_read_bytes_estimate_bounds_a_real_checkpoint(tmp_path):
-    """shard_index.read_bytes (the planner's and tools/simulate_scale.py's figure) against what a
+    """key_index.read_bytes (the planner's and tools/simulate_scale.py's figure) against what a
     reader of one stage really reads (manifest + index.json + its parts): never below, at most 10%
     above (offsets and crc32s count at 10 digits)."""
-    from megak3.train.shard_index import read_bytes
+    from megak3.checkpoint.key_index import read_bytes
 
     full = _model()
     _save(tmp_path, full, pp=2, tp=2, dp=2)

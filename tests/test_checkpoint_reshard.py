@@ -50,7 +50,7 @@ def _train(rank, world, corpus, run_dir, max_steps, par):
     tr = Trainer(job, run_dir, pstate=ps)
     tr.fit()
     weights = {n: p.detach().clone() for n, p in tr.model.named_parameters()} if world == 1 else None
-    return {"history": tr.history, "load": getattr(tr, "load_stats", None), "weights": weights}
+    return {"history": tr.history, "load": tr.checkpoint.load_stats or None, "weights": weights}
 
 
 def _check(results, want_steps, ref):

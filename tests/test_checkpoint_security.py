@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megak3.train.checkpoint import CheckpointError
-from megak3.train.shard_store import CheckpointReader, ShardedCheckpointer, ShardEntry
+from megak3.checkpoint.atomic import CheckpointError
+from megak3.checkpoint.reader import CheckpointReader
+from megak3.checkpoint.writer import ShardedCheckpointer, ShardEntry
 from tests.conftest import SMALL_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from megak3.config import load_model_config
 from megak3.data.tokenizer import train_bpe_tokenizer
 from megak3.inference.cli import main
 from megak3.model.k3 import build_model
-from megak3.train.shard_store import ShardedCheckpointer, ShardEntry
+from megak3.checkpoint.writer import ShardedCheckpointer, ShardEntry
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ("def main(argv):\n    return sum(x * x for x in argv) + len(argv)\n"

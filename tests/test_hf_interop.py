@@ -20,7 +20,8 @@ from megak3.interop.hf_load import load_hf_into
 from megak3.interop.mxfp4_pack import pack_mxfp4, unpack_mxfp4
 from megak3.model.k3 import build_model
 from megak3.quant import QuantConfig, apply_quantization, mx
-from megak3.train.shard_store import CheckpointReader, ShardedCheckpointer, ShardEntry
+from megak3.checkpoint.reader import CheckpointReader
+from megak3.checkpoint.writer import ShardedCheckpointer, ShardEntry
 from parallel.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

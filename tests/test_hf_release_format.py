@@ -21,7 +21,7 @@ from megak3.interop.hf_config import from_hf_config, to_hf_config
 from megak3.interop.hf_load import load_hf_into
 from megak3.model.k3 import build_model
 from megak3.quant import mx
-from megak3.train.shard_store import ShardedCheckpointer, ShardEntry
+from megak3.checkpoint.writer import ShardedCheckpointer, ShardEntry
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import convert_hf  # noqa: E402

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megak3.inference import Engine, InferenceError
-from megak3.train.shard_store import ShardedCheckpointer, ShardEntry
+from megak3.checkpoint.writer import ShardedCheckpointer, ShardEntry
 from parallel.parity import PARITY_MODEL
 from test_inference_decode import REL, rel_err, small_model
 

@@ -90,7 +90,7 @@ def test_rl_init_from_a_one_process_checkpoint_and_hf_export_at_tp2(tmp_path):
 
     from megak3.data.tokenizer import train_bpe_tokenizer
     from megak3.model.k3 import build_model
-    from megak3.train.shard_store import ShardedCheckpointer, ShardEntry
+    from megak3.checkpoint.writer import ShardedCheckpointer, ShardEntry
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     import convert_hf

@@ -1,4 +1,4 @@
-"""Per-shard checkpoints (megak3.train.shard_store): resharding reads, atomic commit, corruption,
+"""Per-shard checkpoints (megak3.checkpoint.writer / reader): resharding reads, atomic commit, corruption,
 non-finite refusal, async saves, old-format detection and conversion. Ranks are simulated by several
 ShardedCheckpointer objects in one process (rank 0 saves last: its sync save waits for the markers)."""
 import contextlib
@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from megak3.train import checkpoint as ckpt
-from megak3.train import sharded_state
-from megak3.train.checkpoint import CheckpointError, CheckpointWarning, find_latest, validate_checkpoint
-from megak3.train.shard_store import CheckpointReader, ShardedCheckpointer, ShardEntry
+from megak3.checkpoint import atomic, legacy
+from megak3.checkpoint.atomic import CheckpointError, CheckpointWarning, find_latest, validate_checkpoint
+from megak3.checkpoint.reader import CheckpointReader
+from megak3.checkpoint.train_state import capture_rng_state
+from megak3.checkpoint.writer import ShardedCheckpointer, ShardEntry
 from parallel.data_parallel import CANONICAL_FORMAT
 
 torch.set_num_threads(1)
@@ -215,7 +216,7 @@ def test_keep_last_and_same_step_replaces(tmp_path):
     a = torch.arange(6.)
     for step, scale in ((1, 1.0), (2, 2.0), (2, 3.0), (3, 4.0)):
         _save_ranks(tmp_path, step, [{"model/a": ShardEntry(a * scale, (6,), (0,))}], keep_last=2)
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
+    assert [p.name for p in atomic.list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
     r = CheckpointReader(tmp_path / "step_00000002")
     assert torch.equal(r.read("model/a", (0,), (6,)), a * 3.0)
 
@@ -280,21 +281,21 @@ def _old_checkpoint(root: Path):
     g = torch.Generator().manual_seed(2)
     w, b = torch.randn(6, 4, generator=g), torch.randn(4, generator=g)
     mom, ea, eas = torch.randn(6, 4, generator=g), torch.randn(4, generator=g), torch.rand(4, generator=g)
-    tags = sharded_state.make_tags(["w", "b"], {"w": 0, "b": None}, 2)
+    tags = legacy.make_tags(["w", "b"], {"w": 0, "b": None}, 2)
     hp = {"w": {"lr": 0.02, "momentum": 0.95}, "b": {"lr": 1e-3, "betas": (0.9, 0.95)}}
-    staging = ckpt.prepare_staging(root, 7)
+    staging = legacy.prepare_staging(root, 7)
     parts = {}
     for r in range(2):
         optim = {"format": CANONICAL_FORMAT, "optimizer": {"w": "muon", "b": "adamw"}, "hyperparameters": hp,
                  "state": {"w": {"momentum_buffer": mom.chunk(2)[r].clone()},
                            "b": {"exp_avg": ea, "exp_avg_sq": eas, "step": torch.tensor(3.0)}}}
         coords = {"tp": (r, 2), "ep": (0, 1), "pp": (0, 1), "dp": (0, 1), "edp": (0, 1)}
-        part = sharded_state.build_part(coords, tags, {"w": w.chunk(2)[r].clone(), "b": b}, optim)
-        parts[f"rank_{r:05d}.pt"] = ckpt.write_part(staging, f"rank_{r:05d}.pt", part)
-    common = {"step": 7, "train_data": {"epoch": 0, "pos": 11}, "rng": ckpt.capture_rng_state(), "world_size": 2,
+        part = legacy.build_part(coords, tags, {"w": w.chunk(2)[r].clone(), "b": b}, optim)
+        parts[f"rank_{r:05d}.pt"] = legacy.write_part(staging, f"rank_{r:05d}.pt", part)
+    common = {"step": 7, "train_data": {"epoch": 0, "pos": 11}, "rng": capture_rng_state(), "world_size": 2,
               "layout": {"tp": 2, "dp": 1, "ep": 1, "pp": 1, "sequence_parallel": False}}
     meta = {"step": 7, "dataset": "x", "config": {"model": {"dim": 4}}}
-    path = ckpt.commit_checkpoint(root, 7, staging, common, parts=parts, meta=meta)
+    path = legacy.commit_checkpoint(root, 7, staging, common, parts=parts, meta=meta)
     return path, {"model/w": w, "model/b": b, "optim/w/momentum_buffer": mom, "optim/b/exp_avg": ea,
                   "optim/b/exp_avg_sq": eas}, common, meta, hp
 

@@ -1,8 +1,8 @@
-"""megak3/train/sharded_state.py: parts of any (tp, ep, pp) layout merge back to the full tensors."""
+"""megak3/checkpoint/legacy.py (older per-rank part format): parts of any (tp, ep, pp) layout merge back to the full tensors."""
 import pytest
 import torch
 
-from megak3.train import sharded_state as S
+from megak3.checkpoint import legacy as S
 from parallel.data_parallel import CANONICAL_FORMAT
 
 

@@ -163,8 +163,8 @@ def test_nonfinite_stop_is_checked_at_log_steps(corpus_dataset, tmp_path):
 def test_nonfinite_steps_are_skipped_counted_and_never_saved(corpus_dataset, tmp_path):
     """optim.lr=1e6: diverging steps change nothing, are counted, and the run stops with one line
     naming the step; every checkpoint written holds only finite values."""
-    from megak3.train import checkpoint as ckpt
-    from megak3.train.shard_store import CheckpointReader
+    from megak3.checkpoint import atomic as ckpt
+    from megak3.checkpoint.reader import CheckpointReader
     from megak3.train.trainer import NonFiniteError
 
     job = make_job(corpus_dataset, tmp_path, optim_lr=1e6, max_steps=8, save_interval=1, max_nonfinite_steps=2,

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""Convert an old per-rank-part megak3 checkpoint to the per-shard format (megak3.train.shard_store).
+"""Convert an old per-rank-part megak3 checkpoint to the per-shard format (megak3.checkpoint.writer).
 
     python tools/convert_checkpoint.py runs/x/checkpoints/step_00000100 runs/x/checkpoints_v2
 
 The old checkpoint (``rank_XXXXX.pt`` parts + ``state.pt``; or a root whose newest complete checkpoint
-is taken) is loaded and merged into full tensors with megak3.train.sharded_state.merge_parts, then
+is taken) is loaded and merged into full tensors with megak3.checkpoint.legacy.merge_parts, then
 written as a one-rank checkpoint of the same step under OUT_ROOT with
 
     model/<name>           every model tensor, whole (offsets 0)
@@ -27,9 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megak3.train import checkpoint as ckpt  # noqa: E402
-from megak3.train import sharded_state  # noqa: E402
-from megak3.train.shard_store import SHARDS_FORMAT, ShardedCheckpointer, ShardEntry  # noqa: E402
+from megak3.checkpoint import atomic as ckpt  # noqa: E402
+from megak3.checkpoint import legacy  # noqa: E402
+from megak3.checkpoint.shard_format import SHARDS_FORMAT  # noqa: E402
+from megak3.checkpoint.writer import ShardedCheckpointer, ShardEntry  # noqa: E402
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,12 +50,12 @@ def convert(src, out_root) -> Path:
     manifest = ckpt.read_manifest(path)
     if manifest.get("format") == SHARDS_FORMAT:
         raise ValueError(f"{path} is already in the {SHARDS_FORMAT} format")
-    common, manifest = ckpt.load_checkpoint(path)
+    common, manifest = legacy.load_checkpoint(path)
     names = sorted(n for n in manifest["files"] if n.startswith("rank_") and n.endswith(".pt"))
     if not names:
         raise ValueError(f"{path} holds no rank_XXXXX.pt parts; it is not a per-rank part checkpoint")
-    parts = [ckpt.load_part(path, n) for n in names]
-    full_model, full_optim = sharded_state.merge_parts(parts)
+    parts = [legacy.load_part(path, n) for n in names]
+    full_model, full_optim = legacy.merge_parts(parts)
 
     entries: dict = {}
     for name, t in full_model.items():

@@ -8,7 +8,7 @@
     python -m megak3.train train.init_from_hf=hf/my-k3 ...                         # the import (any layout)
 
 ``export`` reads a per-shard trainer checkpoint (a ``step_XXXXXXXX`` directory or a root holding
-``latest``) of ANY layout through :class:`megak3.train.shard_store.CheckpointReader` and writes
+``latest``) of ANY layout through :class:`megak3.checkpoint.reader.CheckpointReader` and writes
 OUT_DIR with ``config.json`` (megak3/interop/hf_config.py), ``model-0000k-of-0000N.safetensors``
 shards, ``model.safetensors.index.json`` and the run's ``tokenizer.json`` when one is found beside
 the checkpoint or through its data config (``python -m megak3.generate --checkpoint OUT_DIR``
@@ -66,7 +66,7 @@ from megak3.interop.hf_names import (  # noqa: E402
     EXPERTS_FORMATS, HFTensor, canonical_shapes, hf_tensors, inventory_totals)
 from megak3.interop.mxfp4_pack import pack_mxfp4, unpack_mxfp4  # noqa: E402
 from megak3.metrics.telemetry import peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
-from megak3.train import checkpoint as ckpt  # noqa: E402
+from megak3.checkpoint import atomic as ckpt  # noqa: E402
 
 PUBLIC_TOTALS = {"tensors": 497_220, "mxfp4_pairs": 247_296}
 """the released Kimi-K3 checkpoint's key count and MXFP4 packed/scale pairs (92 x 896 x 3)"""
@@ -270,7 +270,7 @@ def export(checkpoint, out_dir, overrides=(), experts: str = "mxfp4", dtype: str
            shard_size_mb: float = 4096, scale_mode=None, log=print) -> dict:
     """Write the HF directory ``out_dir`` from the trainer checkpoint ``checkpoint`` (module docstring).
     Returns statistics: tensors, shards, bytes, peak_rss_growth, shard_bytes, seconds."""
-    from megak3.train.shard_store import CheckpointReader
+    from megak3.checkpoint.reader import CheckpointReader
 
     if experts not in EXPERTS_FORMATS:
         raise ValueError(f"--experts {experts!r}: choose one of {', '.join(EXPERTS_FORMATS)}")

@@ -12,7 +12,7 @@ For a sample of ranks (the first, a middle and the last pipeline stage, each at 
 ``parallel.parallelize.parallelize`` and reads, from the resulting plan and the ZeRO-1 ownership the
 trainer's optimizer would derive: parameters (count, bytes), gradient buffers, optimizer state, the
 checkpoint bytes the rank writes and the checkpoint metadata bytes it reads to resume ("meta MB":
-manifest, index.json and the index parts of its stage's keys, megak3.train.shard_index.read_bytes
+manifest, index.json and the index parts of its stage's keys, megak3.checkpoint.key_index.read_bytes
 over the keys of the full model and the chunk counts of the rank's plan). The planner
 (``megak3.launch.planner.per_rank_figures``) gives the same figures analytically; any that differ by
 more than 1% make the exit status 1.
@@ -93,7 +93,7 @@ _ALL_KEYS: dict = {}
 
 
 def checkpoint_meta_read(cfg, model, optim_cfg, plan, esize: dict, world: int) -> int:
-    """Metadata bytes this rank reads to resume (megak3.train.shard_index.read_bytes): the manifest,
+    """Metadata bytes this rank reads to resume (megak3.checkpoint.key_index.read_bytes): the manifest,
     index.json (every key of the whole model, from a separate full meta-device build) and the index
     parts of its stage's model and optimizer keys, with each key's chunk count from the rank's plan
     (global / local extent per dim)."""
@@ -101,7 +101,7 @@ def checkpoint_meta_read(cfg, model, optim_cfg, plan, esize: dict, world: int) -
 
     from megak3.model.k3 import build_model
     from megak3.optim import build_optimizer
-    from megak3.train import shard_index
+    from megak3.checkpoint import key_index as shard_index
 
     if cfg.name not in _ALL_KEYS:  # the checkpoint's keys: every param and persistent buffer
         full = build_model(cfg, device="meta")

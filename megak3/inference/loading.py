@@ -1,6 +1,6 @@
 """Load a model for generation: a megak3 checkpoint of any training layout, or a Hugging Face directory.
 
-A trainer checkpoint is read through :class:`megak3.train.shard_store.CheckpointReader` (the reader
+A trainer checkpoint is read through :class:`megak3.checkpoint.reader.CheckpointReader` (the reader
 that resumes any layout): every model tensor's whole global box, so tp / pp / ep / cp layouts all
 come back as the single-process model. The model config and the quantisation settings are the run's
 (recorded in the checkpoint's meta); QAT hooks are re-applied so generation computes with the
@@ -26,7 +26,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def resolve_checkpoint(path) -> Tuple[str, Path]:
     """("hf" | "megak3", directory): an HF export, a checkpoint directory (step_XXXXXXXX), or a run
     directory / checkpoint root whose newest complete checkpoint is taken."""
-    from ..train import checkpoint as ckpt
+    from ..checkpoint import atomic as ckpt
 
     p = Path(os.path.expanduser(str(path)))
     if not p.is_dir():
@@ -100,7 +100,7 @@ def load_model(path, device="cpu", dtype="float32", tokenizer=None) -> Tuple[nn.
         qcfg = QuantConfig(qat="mxfp4_experts" if packed else "none")
     else:
         from ..config import model_config_from_dict
-        from ..train.shard_store import CheckpointReader
+        from ..checkpoint.reader import CheckpointReader
         from parallel.plan import canonical_name
 
         try:

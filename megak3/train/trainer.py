@@ -5,7 +5,8 @@
                ParallelPlan, parallel.materialize (only this rank's shards), optimizer from the plan
     step       RankStep.accumulate / RankStep.apply (the production step; parity tests run it too)
     metrics    device tensors per step, reduced once per logging window (flush_metrics)
-    checkpoint megak3/train/shard_store (per-shard, any layout reads its own boxes)
+    checkpoint megak3/checkpoint/train_state.TrainCheckpoint: save(step) / load(path) / resume (per-shard,
+               any layout reads its own boxes)
 
 One optimizer step = ``global_batch_size / (micro_batch_size x dp)`` micro-batches per rank; the
 loss of a step is the token-weighted mean over all of them, so the gradient does not depend on how
@@ -14,7 +15,6 @@ the batch is split. Quantile-Balancing biases are updated once per optimizer ste
 from __future__ import annotations
 
 import time
-import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -23,10 +23,11 @@ import torch.distributed as dist
 
 from parallel.config import check_expert_tp
 from parallel.context_parallel import check_context_parallel
-from parallel.data_parallel import CANONICAL_FORMAT, load_consolidated_state
-from parallel.plan import ParallelPlan, canonical_name
+from parallel.plan import ParallelPlan
 from parallel.state import ParallelState
 
+from ..checkpoint.atomic import step_dirname
+from ..checkpoint.train_state import TrainCheckpoint
 from ..data.config import resolve_dataset
 from ..data.indexed import IndexedDataset
 from ..data.images import has_images
@@ -39,8 +40,6 @@ from ..metrics.telemetry import GPUTelemetry, Throughput, peak_memory_mb
 from ..model.balancing import max_violation
 from ..model.k3 import K3Model
 from ..data.sft import is_sft_dataset, open_sft_split
-from . import checkpoint as ckpt
-from . import shard_store as ckpt_store
 from . import summary
 from .step import RankStep, all_reduce_sum
 from ..job.config import JobConfig
@@ -122,8 +121,11 @@ class Trainer:
         self.load_recorder = rs.load_recorder
         self.peak = summary.peak_flops_per_rank(self.device, t.precision)
         """(peak FLOP/s of this rank, its source) for MFU, or None"""
-        self.checkpointer = ckpt_store.ShardedCheckpointer(self.ckpt_dir, ps.rank, ps.world_size,
-                                                           keep_last=t.keep_last, async_save=t.async_save)
+        layout = {"tp": ps.tp_size, "cp": ps.cp_size, "dp": ps.dp_size, "ep": ps.ep_size, "pp": ps.pp_size,
+                  "vp": job.parallel.vp, "sequence_parallel": self.sequence_parallel}
+        self.checkpoint = TrainCheckpoint(self.ckpt_dir, self.model, self.optimizer, self.plan, ps, self.train_data,
+                                          self.device, layout, {"dataset": str(prefix), "config": config_dict},
+                                          keep_last=t.keep_last, async_save=t.async_save)
         self.step = 0
         self.history: list[dict] = []
         self._pending: list[dict] = []  # per-step device metrics not yet reduced and logged
@@ -140,176 +142,27 @@ class Trainer:
             dist.barrier()
         return out
 
-    # ---- state -------------------------------------------------------------------------------
-    # A checkpoint is per shard (megak3/train/shard_store.py): every rank writes the boxes it is the
-    # saver of (plan.is_saver: one rank per distinct shard) and the optimizer state of the
-    # parameters it owns under ZeRO-1, each with its global shape and offsets; rank 0 adds the
-    # common state (step, data position, RNG, layout) and commits. Loading reads, for every tensor
-    # this rank holds in the CURRENT layout, only the bytes of its box, so any layout resumes.
-    def _entries(self) -> tuple[dict, dict]:
-        plan, E = self.plan, ckpt_store.ShardEntry
-        entries = {}
-        state = {canonical_name(k): v for k, v in self.model.state_dict().items()}
-        for n, v in state.items():
-            if plan.is_saver(n):
-                sh = plan.tensors[n]
-                entries[f"model/{n}"] = E(v.detach(), sh.global_shape, sh.offsets)
-        meta = {}
-        exp = self.optimizer.export_state(canonical=True)
-        for n, st in exp["state"].items():
-            sh = plan.tensors[n]
-            scalars = {}
-            for k, v in st.items():
-                if torch.is_tensor(v) and v.ndim > 0:
-                    entries[f"optim/{n}/{k}"] = E(v, sh.global_shape, sh.offsets)
-                else:
-                    scalars[k] = v.cpu() if torch.is_tensor(v) else v
-            meta[f"optim_meta/{n}"] = {"optimizer": exp["optimizer"][n],
-                                       "hyperparameters": exp["hyperparameters"][n], "scalars": scalars}
-        return entries, meta  # one object key per parameter: the reader unites the ranks' keys
-
-    def save(self) -> None:
-        """Collective: every rank writes its shards; rank 0 commits (in the background with
-        ``train.async_save``, after a barrier otherwise)."""
-        ps = self.ps
-        entries, objects = self._entries()
-        common = meta = None
-        if self.rank == 0:
-            common = {"step": self.step, "train_data": self.train_data.state_dict(),
-                      "rng": ckpt.capture_rng_state(), "world_size": ps.world_size,
-                      "threads": torch.get_num_threads(), "nonfinite_steps": self.nonfinite_steps,
-                      "layout": {"tp": ps.tp_size, "cp": ps.cp_size, "dp": ps.dp_size, "ep": ps.ep_size, "pp": ps.pp_size,
-                                 "vp": self.job.parallel.vp, "sequence_parallel": self.sequence_parallel}}
-            meta = {"step": self.step, "dataset": str(self.dataset_prefix), "config": self.config_dict}
-        self.checkpointer.save(self.step, entries, objects=objects, common=common, meta=meta)
-        if not self.job.train.async_save and ps.world_size > 1:
-            dist.barrier()  # nobody reads the checkpoint directory before it is complete
-
+    # ---- state: megak3/checkpoint/train_state.TrainCheckpoint saves and loads it ----------------
     def _save_and_report(self, logger) -> None:
-        """Save, then one line on rank 0: bytes this rank wrote and seconds (async: the snapshot)."""
+        """Save (collective), then one line on rank 0: bytes this rank wrote and seconds (async: the snapshot)."""
         t0 = time.perf_counter()
-        self.save()
+        self.checkpoint.save(self.step, self.nonfinite_steps)
         dt = time.perf_counter() - t0
-        name = ckpt.step_dirname(self.step)
+        name = step_dirname(self.step)
         if self.job.train.async_save:
             logger.write(f"checkpoint {name}: snapshot taken in {dt:.2f} s, writing in the background")
         else:
-            st = self.checkpointer.last_save_stats
+            st = self.checkpoint.last_save_stats
             logger.write(f"checkpoint {name} saved: {st['bytes'] / 2 ** 20:,.1f} MiB written by rank 0 "
                          f"(of {self.ps.world_size} rank(s)) in {dt:.2f} s")
 
-    def wait_for_checkpoint(self) -> None:
-        """Block until a background save has been written and committed."""
-        self.checkpointer.wait()
-        if self.job.train.async_save and self.ps.world_size > 1:
-            dist.barrier()
-
-    @torch.no_grad()
-    def load(self, path: Path) -> None:
-        """Read this rank's boxes of every tensor it holds (model and owned optimizer state); a
-        missing, corrupt or unsafe file raises CheckpointError (maybe_resume decides what follows)."""
-        reader = ckpt_store.CheckpointReader(path)
-        plan = self.plan
-        keys = set(reader.keys())
-        own = {canonical_name(k): v for k, v in self.model.state_dict().items()}
-        for n, dst in own.items():
-            key = f"model/{n}"
-            sh = plan.tensors[n]
-            if key not in keys:
-                raise ValueError(f"checkpoint {path} lacks model tensor {n!r}; it was saved from a different "
-                                 "model config")
-            if tuple(reader.global_shape(key)) != sh.global_shape:
-                raise ValueError(f"checkpoint tensor {n} has shape {tuple(reader.global_shape(key))}, this model "
-                                 f"needs {sh.global_shape}; it was saved from a different model config")
-            dst.copy_(reader.read(key, sh.offsets, sh.local_shape))
-        owned = {canonical_name(self.optimizer.specs[i].name) for i in self.optimizer.main}
-        names = [canonical_name(sp.name) for sp in self.optimizer.specs]
-        # Optimizer scalars and hyperparameters are read for the params this rank owns (ZeRO-1) only,
-        # from the object files that hold them; the others need only exist, which the index's key
-        # lists tell (an index without them, or a converted one-rank checkpoint: everything is read).
-        listed = reader.object_keys()
-        wanted = sorted(owned) if listed is not None and "optim_meta" not in listed else names
-        objs = reader.objects(["optim_meta"] + [f"optim_meta/{n}" for n in wanted])
-        meta = dict(objs.get("optim_meta", {}))  # one-rank checkpoints (tools/convert_checkpoint.py)
-        meta.update({k.split("/", 1)[1]: v for k, v in objs.items() if k.startswith("optim_meta/")})
-        state = {"format": CANONICAL_FORMAT, "state": {}, "optimizer": {}, "hyperparameters": {}}
-        for spec, n in zip(self.optimizer.specs, names):
-            if n not in meta and not (n not in owned and listed is not None and f"optim_meta/{n}" in listed):
-                raise ValueError(f"checkpoint {path} lacks optimizer state for {n!r}; it was saved from a "
-                                 "different model")
-            if n not in owned:  # load_consolidated_state reads the state of owned params only
-                state["state"][n], state["optimizer"][n], state["hyperparameters"][n] = {}, spec.optimizer, {}
-                continue
-            st = dict(meta[n]["scalars"])
-            sh = plan.tensors[n]
-            for key in (k for k in keys if k.startswith(f"optim/{n}/")):
-                st[key.rsplit("/", 1)[1]] = reader.read(key, sh.offsets, sh.local_shape)
-            state["state"][n] = st
-            state["optimizer"][n] = meta[n]["optimizer"]
-            state["hyperparameters"][n] = meta[n]["hyperparameters"]
-        load_consolidated_state(self.optimizer, state, None)
-        common = reader.common
-        self.train_data.load_state_dict(common["train_data"])
-        ckpt.restore_rng_state(common["rng"])
-        self.step = int(common["step"])
-        self.nonfinite_steps = int(common.get("nonfinite_steps", 0))
-        saved_threads = common.get("threads")
-        if saved_threads is not None and saved_threads != torch.get_num_threads() and self.rank == 0:
-            print(f"warning: checkpoint was written with {saved_threads} torch threads, resuming with "
-                  f"{torch.get_num_threads()}: CPU results are bit-identical only at the same thread count "
-                  "(set train.threads)", flush=True)
-        self.load_stats = {"bytes_read": reader.bytes_read, "meta_bytes_read": reader.meta_bytes_read,
-                           "shard_bytes": sum(t.numel() * t.element_size() for t in own.values())
-                           + sum(v.numel() * v.element_size() for st in state["state"].values()
-                                 for v in st.values() if torch.is_tensor(v) and v.ndim > 0)}
-
     def maybe_resume(self) -> Optional[Path]:
-        """Load ``train.resume``. With 'auto', the newest complete checkpoint; when any rank cannot
-        read its own shards of it (a file truncated or corrupted after the commit: each rank checks
-        only the files it reads, so nothing here is O(world)), the ranks agree on that (one all-reduce)
-        and fall back to the next older one with a CheckpointWarning. A file needing the full
-        unpickler is never skipped over: one-line error. An explicit path is not substituted."""
-        spec = self.job.train.resume
-        if spec == "none":
-            return None
-        if spec != "auto":
-            path = Path(spec)
-            ok, why = ckpt.validate_checkpoint(path)
-            if not ok:
-                raise ValueError(f"train.resume={spec}: not a complete checkpoint ({why}); "
-                                 "use train.resume=auto to pick the newest complete one")
-            try:
-                self.load(path)
-            except ckpt.CheckpointError as e:
-                raise ValueError(str(e)) from None
-            return path
-        failed: set = set()
-        while True:
-            path = ckpt.find_latest(self.ckpt_dir, exclude=failed)
-            if path is None:
-                return None
-            error = None
-            try:
-                self.load(path)
-            except ckpt.UnsafeCheckpointError as e:
-                raise ValueError(str(e)) from None
-            except ckpt.CheckpointError as e:
-                error = e
-            if not self._any_rank(error is not None):
-                return path
-            warnings.warn(f"skipping checkpoint {path}: {error or 'another rank could not read its shards'}",
-                          ckpt.CheckpointWarning, stacklevel=2)
-            failed.add(path)
-
-    def _any_rank(self, flag: bool) -> bool:
-        """True when ``flag`` is True on any rank (one all-reduce over the host group, or the default
-        group on this rank's device)."""
-        if self.ps.world_size == 1:
-            return flag
-        group = self.ps.host_group
-        t = torch.tensor([float(flag)], device="cpu" if group is not None else self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return bool(t.item())
+        """Load ``train.resume`` (:meth:`TrainCheckpoint.resume`); returns the checkpoint loaded or None."""
+        path, common = self.checkpoint.resume(self.job.train.resume)
+        if common is not None:
+            self.step = int(common["step"])
+            self.nonfinite_steps = int(common.get("nonfinite_steps", 0))
+        return path
 
     # ---- one optimizer step (megak3/train/step.py) ----------------------------------------------
     def next_micro_batches(self) -> list:
@@ -521,8 +374,8 @@ class Trainer:
                 self._log_window(logger, gpu, clock, window_tokens, window_steps)
                 if not saved:
                     self._save_and_report(logger)
-                self.wait_for_checkpoint()
+                self.checkpoint.wait()
                 logger.write(f"preempted by {preempt.signal_name} at step {self.step}: checkpoint saved")
                 logger.close()
                 raise Preempted(self.step, preempt.signal_name)
-        self.wait_for_checkpoint()
+        self.checkpoint.wait()

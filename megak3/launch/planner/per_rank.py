@@ -132,11 +132,11 @@ _SHAPES: Dict[str, dict] = {}
 
 def checkpoint_meta_read_bytes(cfg: ModelConfig, pc: PlanConfig, layers, first: bool, last: bool) -> int:
     """Metadata bytes a rank of the stage (``layers``, first / last) reads to resume from a per-shard
-    checkpoint (megak3.train.shard_index.read_bytes): the manifest, index.json (every key of the model)
+    checkpoint (megak3.checkpoint.key_index.read_bytes): the manifest, index.json (every key of the model)
     and the index parts of the stage's model and optimizer keys; a key's chunks: E/ep pieces of a
     routed expert tensor (ep > 1), tp pieces of a TP-sharded one, else one. Independent of dp, so
     constant in the world size for fixed tp, pp and ep."""
-    from ...train import shard_index
+    from ...checkpoint import key_index as shard_index
 
     key = _key(cfg)
     if key not in _SHAPES:

@@ -1,4 +1,4 @@
-"""The key index of a per-shard checkpoint, split into parts by key group (used by :mod:`.shard_store`).
+"""The key index of a per-shard checkpoint, split into parts by key group (used by :mod:`.writer` and :mod:`.reader`).
 
 Writing (rank 0, at commit): every key's entry (global shape, dtype, chunk list) goes to one *tensor
 part* file ``index_NNNNN.json``; keys are sorted naturally (digit runs compare as numbers, so

@@ -1,9 +1,10 @@
-"""The OLDER per-rank-part checkpoint format (``megak3.part.v2``), kept to read such checkpoints:
-``tools/convert_checkpoint.py`` merges them and writes the per-shard format of
-:mod:`megak3.train.shard_store`, which the trainer reads and writes now.
+"""The OLDER checkpoint formats, kept to read (and convert) such checkpoints.
 
-Every tensor a rank saves is tagged with its relation to the full single-process tensor of the
-same canonical name:
+Format version 1 (:func:`save_checkpoint` / :func:`load_checkpoint`): one ``state.pt`` per checkpoint
+directory plus per-rank parts ``rank_XXXXX.pt`` (:func:`prepare_staging`, :func:`write_part`,
+:func:`commit_checkpoint`), every file listed in the manifest with its size and sha256, committed by
+:mod:`.atomic`. Its per-rank parts (``megak3.part.v2``) tag every tensor with its relation to the full
+single-process tensor of the same canonical name:
 
     None           the full tensor (replicated over tensor and expert parallelism)
     ("tp", dim)    chunk ``tp_rank`` of ``tp_size`` along ``dim``  (tensor parallelism)
@@ -14,25 +15,149 @@ Pipeline stages hold disjoint parameter names, so parts are united by name. A pa
     {"format": PART_FORMAT, "coords": {"tp": [rank, size], "ep": [rank, size], "pp": [rank, size], ...},
      "tags": {name: None | [axis, dim]}, "model": {name: tensor}, "optimizer": ShardedOptimizer.export_state()}
 
-``merge_parts`` rebuilds full tensors (model and optimizer state) from any set of parts that
-covers every shard of every name, and ``local_model_state`` / ``local_optimizer_state`` cut the
-full state down to what one rank of the *current* layout holds, up to tensor parallelism: the TP
-slicing is left to :func:`parallel.parallelize.load_full_state` and
-:func:`parallel.data_parallel.load_consolidated_state`, which already do it. Limitation: the
-merge materialises full tensors on every loading rank (fine up to k3_mini; at K3 scale a loader
-would read only the slices it needs).
-
-Which rank saves a model tensor: one per distinct shard, i.e. the data-parallel rank 0 of the
-dense replicas (``dp_rank == 0``) for dense tensors and the expert-data-parallel rank 0
-(``edp_rank == 0``) for expert-sharded ones; the optimizer state is saved by its ZeRO-1 owner.
+:func:`merge_parts` rebuilds full tensors (model and optimizer state) from any set of parts that covers
+every shard of every name; ``tools/convert_checkpoint.py`` writes them as a one-rank per-shard
+checkpoint (:mod:`.writer`), which the trainer reads at any layout. ``local_model_state`` /
+``local_optimizer_state`` cut the full state down to what one rank of a layout holds, up to tensor
+parallelism. The merge materialises full tensors.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Tuple
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, BinaryIO, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from parallel.data_parallel import CANONICAL_FORMAT
+
+from . import atomic
+from .atomic import MANIFEST_NAME, STATE_FILE, CheckpointError, check_keep_last, check_step
+from .safe import safe_load
+
+
+# ------------------------------------------------------------------- format version 1: state.pt + parts
+
+class _HashingWriter:
+    """Write-only file wrapper that counts bytes and computes sha256 as torch.save streams out,
+    so a save never has to read its own (possibly huge) files back."""
+
+    def __init__(self, f: BinaryIO):
+        self._f = f
+        self.sha256 = hashlib.sha256()
+        self.nbytes = 0
+
+    def write(self, b) -> int:
+        self.sha256.update(b)
+        self.nbytes += len(b)
+        return self._f.write(b)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _write_torch_file(path: Path, obj: Any) -> dict:
+    """torch.save ``obj`` to ``path`` durably; returns its manifest entry."""
+    with open(path, "wb") as f:
+        w = _HashingWriter(f)
+        torch.save(obj, w)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": w.nbytes, "sha256": w.sha256.hexdigest()}
+
+
+def save_checkpoint(root, step: int, state: dict[str, Any], meta: Optional[dict] = None,
+                    keep_last: Optional[int] = None) -> Path:
+    """Save ``state`` as checkpoint ``root/step_<step>/`` atomically and point ``latest`` at it.
+
+    ``state`` is anything ``torch.save`` accepts (tensors, nested dicts/lists, numbers, strings;
+    keep it to those so it loads with ``weights_only=True``). ``meta`` is a JSON-serialisable dict
+    stored verbatim in the manifest (config, data position, ...). Saving a step that already
+    exists replaces it. ``keep_last=N`` then deletes older complete checkpoints so that the N with
+    the highest steps remain; the checkpoint just written is never deleted. Returns its path.
+    """
+    check_step(step)
+    check_keep_last(keep_last)
+    meta = dict(meta or {})
+    try:
+        json.dumps(meta)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"checkpoint meta must be JSON-serialisable ({e}); put tensors in `state` "
+                         f"and convert config objects with dataclasses.asdict") from e
+
+    staging = prepare_staging(root, step)
+    return commit_checkpoint(root, step, staging, state, meta=meta, keep_last=keep_last)
+
+
+def prepare_staging(root, step: int) -> Path:
+    """Create the (empty) staging directory of checkpoint ``step`` and return it.
+
+    Multi-rank saves: one rank calls this, every rank writes its part with :func:`write_part`
+    into it, and the same rank then calls :func:`commit_checkpoint` with the parts' entries.
+    Stale staging directories of crashed saves are removed first.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    atomic.remove_stale(root)
+    tmp = root / f".tmp-{atomic.step_dirname(step)}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def write_part(staging, filename: str, obj: Any) -> dict:
+    """torch.save one part (e.g. a rank's shard) into a staging directory; returns its manifest entry."""
+    if "/" in filename or filename in (STATE_FILE, MANIFEST_NAME):
+        raise ValueError(f"checkpoint part name {filename!r} must be a plain file name other than "
+                         f"{STATE_FILE} and {MANIFEST_NAME}")
+    return _write_torch_file(Path(staging) / filename, obj)
+
+
+def commit_checkpoint(root, step: int, staging, state: dict[str, Any], parts: Optional[dict] = None,
+                      meta: Optional[dict] = None, keep_last: Optional[int] = None) -> Path:
+    """Write ``state`` and the manifest (listing ``parts``: name -> entry from write_part) into
+    ``staging``, rename it to ``root/step_<step>/`` and point ``latest`` at it. Returns the path."""
+    check_step(step)
+    root, tmp = Path(root), Path(staging)
+    meta = dict(meta or {})
+    name = atomic.step_dirname(step)
+    files = dict(parts or {})
+    files[STATE_FILE] = _write_torch_file(tmp / STATE_FILE, state)
+    manifest = {"format_version": atomic.FORMAT_VERSION, "step": step, "files": files,
+                "meta": meta, "created_unix": time.time()}
+    # The manifest goes last: a directory whose manifest parses had all its files written first.
+    atomic.write_text_durably(tmp / MANIFEST_NAME, json.dumps(manifest, indent=1, sort_keys=True))
+    atomic.fsync_dir(tmp)
+    return atomic.publish(root, tmp, name, keep_last)
+
+
+def load_part(path, filename: str, map_location="cpu"):
+    """Load one part of a checkpoint that :func:`load_checkpoint` has validated (safe loader)."""
+    return safe_load((Path(path) / filename).read_bytes(), Path(path) / filename, map_location)
+
+
+def load_checkpoint(path, map_location="cpu") -> tuple[dict, dict]:
+    """Validate and load a checkpoint directory; returns ``(state, manifest)``.
+
+    Raises ``CheckpointError`` naming the problem when the checkpoint is incomplete or corrupt.
+    ``state.pt`` is read with :func:`safe_load` (tensors, containers and primitives: all that
+    ``save_checkpoint`` callers store).
+    """
+    path = Path(path)
+    ok, reason = atomic.validate_checkpoint(path)
+    if not ok:
+        raise CheckpointError(f"cannot load checkpoint {path}: {reason}")
+    manifest = atomic.read_manifest(path)
+    state = safe_load((path / STATE_FILE).read_bytes(), path / STATE_FILE, map_location)
+    return state, manifest
+
+
+# ------------------------------------------------------------------- per-rank parts (megak3.part.v2)
 
 PART_FORMAT = "megak3.part.v2"
 AXES = ("tp", "ep")

@@ -25,7 +25,7 @@ def check_layout(par, seq_len: int, model_cfg: Optional[ModelConfig] = None,
     """Raise ValueError naming the field and the fix when a parallel layout cannot run this data
     and model: expert parallelism with TP needs SP, CP's split of ``seq_len``
     (parallel.context_parallel.check_context_parallel), SP's split of ``seq_len`` over TP, and the
-    pipeline schedule against the ``micro_batches`` of one step (checked when given and pp > 1).
+    pipeline schedule (its name and ``vp``; the ``micro_batches`` of one step when given and pp > 1).
 
     The one home of these checks: JobConfig.validate calls it, and so may any caller that holds a
     layout. ``par``: a parallel.config.ParallelConfig, or anything with its fields tp, cp, pp, vp,
@@ -41,8 +41,7 @@ def check_layout(par, seq_len: int, model_cfg: Optional[ModelConfig] = None,
     if par.sequence_parallel and par.tp > 1 and seq_len % par.tp:
         raise ValueError(f"data.seq_len={seq_len} must be a multiple of parallel.tp={par.tp} "
                          "with parallel.sequence_parallel=true")
-    if par.pp > 1 and micro_batches is not None:
-        check_schedule(par.pp_schedule, par.pp, par.vp, micro_batches)
+    check_schedule(par.pp_schedule, par.pp, par.vp, micro_batches if par.pp > 1 else None)
 
 
 @dataclass

@@ -15,14 +15,13 @@ the batch is split. Quantile-Balancing biases are updated once per optimizer ste
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from parallel.config import check_expert_tp
-from parallel.context_parallel import check_context_parallel
 from parallel.plan import ParallelPlan
 from parallel.state import ParallelState
 
@@ -42,7 +41,7 @@ from ..model.k3 import K3Model
 from ..data.sft import is_sft_dataset, open_sft_split
 from . import summary
 from .step import RankStep, all_reduce_sum
-from ..job.config import JobConfig
+from ..job.config import JobConfig, check_layout
 
 
 def pick_device(name: str) -> torch.device:
@@ -73,18 +72,14 @@ class Trainer:
         if ps.etp_size > 1:
             raise ValueError(f"parallel.etp={ps.etp_size}: this build trains tensor, sequence, context, data, "
                              "expert and pipeline parallel layouts; set parallel.etp=1")
-        check_expert_tp(ps.ep_size, ps.tp_size, par.sequence_parallel)
-        check_context_parallel(ps.cp_size, ps.tp_size, par.sequence_parallel, d.seq_len, job.model,
-                               balance_split=par.cp_balance_split if par.cp_balance else 0)
+        # the job config's layout checks at the degrees this rank runs with (a pstate may be given)
+        check_layout(replace(par, tp=ps.tp_size, cp=ps.cp_size, ep=ps.ep_size, pp=ps.pp_size), d.seq_len, job.model)
         rows = t.micro_batch_size * ps.dp_size
         if t.global_batch_size % rows:
             raise ValueError(f"train.global_batch_size={t.global_batch_size} must be a multiple of "
                              f"train.micro_batch_size x dp = {t.micro_batch_size} x {ps.dp_size}")
         self.grad_accum = t.global_batch_size // rows
         self.sequence_parallel = par.sequence_parallel and ps.tp_size > 1
-        if self.sequence_parallel and d.seq_len % ps.tp_size:
-            raise ValueError(f"data.seq_len={d.seq_len} must be a multiple of parallel.tp={ps.tp_size} "
-                             "with parallel.sequence_parallel=true")
         self.device = pick_device(t.device)
         if t.threads:
             torch.set_num_threads(t.threads)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Dict, Optional
 
-from parallel.config import check_expert_tp
+from megak3.job.config import check_layout
 
 from ...config import ModelConfig
 
@@ -129,25 +129,16 @@ class PlanConfig:
         if (self.world_size // self.pp) % self.ep:
             raise ValueError(f"parallel.ep={self.ep} must divide world_size/pp = {self.world_size // self.pp}")
         sp = self.sequence_parallel and self.tp > 1
-        check_expert_tp(self.ep, self.tp, sp)
-        if self.cp > 1:
-            from parallel.context_parallel import check_context_parallel
-
-            check_context_parallel(self.cp, self.tp, sp, self.seq_len,
-                                   balance_split=self.cp_balance_split if self.cp_balance else 0)
-        if sp and self.seq_len % self.tp:
-            raise ValueError(f"data.seq_len={self.seq_len} must be a multiple of parallel.tp={self.tp} under "
-                             "sequence parallelism")
         default = not self.global_batch_size
         gbs = self.global_batch_size or default_global_batch(self.seq_len, self.micro_batch_size, dp, self.pp,
                                                              self.pp_schedule)
-        if gbs % (self.micro_batch_size * dp):
+        rows = self.micro_batch_size * dp
+        # the job config's layout checks (their one home: megak3.job.config.check_layout)
+        check_layout(replace(self, sequence_parallel=sp), self.seq_len,
+                     micro_batches=gbs // rows if gbs % rows == 0 else None)
+        if gbs % rows:
             raise ValueError(f"global_batch_size={gbs} must be a multiple of micro_batch_size x dp = "
                              f"{self.micro_batch_size} x {dp}")
-        from parallel.pipeline.schedules import check_schedule
-
-        check_schedule(self.pp_schedule, self.pp, self.vp, gbs // (self.micro_batch_size * dp) if self.pp > 1
-                       else None)
         layout = tuple(self.pp_layout) if self.pp_layout is not None else None
         return replace(self, dp=dp, global_batch_size=gbs, sequence_parallel=sp, pp_layout=layout,
                        global_batch_default=default or self.global_batch_default)

@@ -17,8 +17,7 @@ from moonep.buffers import BufferPool
 from moonep.config import MoonEPConfig
 from parallel.expert_parallel import full_expert_tensor, parallelize_ep
 from parallel.grid import Layout
-from parallel.parity import PARITY_MODEL
-from parallel.testing import run_distributed
+from parallel.testing import PARITY_MODEL, run_distributed
 from test_moonep_dispatch import _run_layers  # forward through the layers, backward of (h * w).sum()
 
 RTOL = 1e-5

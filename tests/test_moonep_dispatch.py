@@ -16,8 +16,7 @@ from moonep.buffers import BufferPool
 from moonep.config import MoonEPConfig
 from parallel.expert_parallel import full_expert_tensor, parallelize_ep
 from parallel.grid import Layout
-from parallel.parity import PARITY_MODEL
-from parallel.testing import run_distributed
+from parallel.testing import PARITY_MODEL, run_distributed
 
 RTOL = 1e-5
 T_LOC = 16          # tokens per rank (S)
@@ -142,7 +141,8 @@ def _model_steps(rank, world, tp, ep, enabled, steps):
     from megak3.model.k3 import build_model
     from megak3.optim import OptimConfig, build_optimizer
     from parallel.parallelize import canonical_name, parallelize_tp, sync_partial_grads
-    from parallel.parity import full_tensor, global_batch, local_rows
+    from parallel.testing import global_batch, local_rows
+    from megak3.train.parity import full_tensor
 
     cfg = _cfg()
     tp_group = dp_group = ep_group = edp_group = None

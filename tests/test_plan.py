@@ -114,7 +114,7 @@ def _measure_peak(rank, world, tp, dp, ckpt, steps, mbs, seqlen):
     from megak3.optim import OptimConfig
     from parallel.data_parallel import ShardedOptimizer
     from parallel.parallelize import parallelize_tp, sync_partial_grads
-    from parallel.parity import make_groups
+    from megak3.train.parity import make_groups
 
     torch.set_num_threads(1)
     cfg = load_model_config("k3_tiny", **TINY)
@@ -469,7 +469,7 @@ def _replica_buffer_case(rank, world, autocast, in_flight):
     from moonep.buffers import BufferPool
     from moonep.config import MoonEPConfig
     from parallel.expert_parallel import parallelize_ep
-    from parallel.parity import PARITY_MODEL
+    from parallel.testing import PARITY_MODEL
 
     cfg = load_model_config("k3_tiny", **PARITY_MODEL)
     torch.manual_seed(11)
@@ -492,8 +492,7 @@ def _replica_buffer_case(rank, world, autocast, in_flight):
 
 @pytest.mark.parametrize("autocast,in_flight", [(False, 1), (True, 2)])
 def test_moonep_replica_buffer_bytes_equal_a_real_layer(autocast, in_flight):
-    from parallel.parity import PARITY_MODEL
-    from parallel.testing import run_distributed
+    from parallel.testing import PARITY_MODEL, run_distributed
 
     cfg = load_model_config("k3_tiny", **PARITY_MODEL)
     pc = P.PlanConfig(ep=2, world_size=2, seq_len=16, global_batch_size=2, activation_checkpointing=False,

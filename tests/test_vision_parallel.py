@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel.parity import PARITY_MODEL, parity_job
+from parallel.testing import PARITY_MODEL
+from megak3.train.parity import parity_job
 from parallel.testing import run_distributed
 
 MODEL = {**PARITY_MODEL, "vision.enabled": True}

@@ -1,7 +1,7 @@
 """ZeRO-1 ShardedOptimizer under tensor parallelism, and layout-free optimizer checkpoints.
 
 Every layout trains the real K3 model (tests/test_parity_tp.py MODEL widths, seed 5) on the same
-global batches as parallel.parity.run_steps; the reference is the same loop in one process (fp32
+global batches as megak3.train.parity.run_steps; the reference is the same loop in one process (fp32
 Newton–Schulz). tp2×dp2 must reproduce its losses and grad norms; a state consolidated at
 tp2×dp2 after 2 steps must resume on tp1 (one process), tp1×dp4 and tp2×dp2 (SP) to the
 uninterrupted losses of steps 3–4.
@@ -16,12 +16,12 @@ from megak3.optim import OptimConfig, lr_at, set_lr
 from parallel.data_parallel import (CANONICAL_FORMAT, ShardedOptimizer, consolidate_model_state,
                                     consolidate_optimizer_state, load_consolidated_state)
 from parallel.parallelize import TPPlan, canonical_name, load_full_state, parallelize_tp, sync_partial_grads
-from parallel.parity import global_batch, local_rows, make_groups
-from parallel.testing import run_distributed
-from parallel.parity import PARITY_MODEL as MODEL
+from parallel.testing import global_batch, local_rows
+from megak3.train.parity import make_groups
+from parallel.testing import run_distributed, PARITY_MODEL as MODEL
 
 STEPS = 4
-OCFG = OptimConfig(lr=1e-3,  # = parallel.parity.run_steps default
+OCFG = OptimConfig(lr=1e-3,  # = megak3.train.parity.run_steps default
                    warmup_steps=0, grad_clip=1.0, schedule="constant", ns_dtype="float32")
 LOSS_TOL = 1e-4
 NORM_RTOL = 1e-5
@@ -35,7 +35,7 @@ would be O(1)."""
 
 def rule_norm(model, plan, tp_group, dp_group) -> float:
     """The TP-aware global norm rule applied to the DP-summed model gradients of this very step
-    (parallel.parity.grad_norm after a flat DP all-reduce): what clip_grad_norm_ must return."""
+    (megak3.train.parity.grad_norm after a flat DP all-reduce): what clip_grad_norm_ must return."""
     named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for _, g in named])
     if dp_group is not None and dp_group.size() > 1:

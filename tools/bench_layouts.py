@@ -21,8 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def model_overrides():
-    """The parity-test model (parallel.parity.PARITY_MODEL) at twice its widths."""
-    from parallel.parity import PARITY_MODEL
+    """The parity-test model (parallel.testing.PARITY_MODEL) at twice its widths."""
+    from parallel.testing import PARITY_MODEL
 
     return {**PARITY_MODEL, "hidden_size": 128, "dense_intermediate_size": 256, "kda.head_dim": 32,
             "kda.gate_rank": 16, "kda.chunk_size": 32, "mla.q_lora_rank": 64, "mla.kv_lora_rank": 32,
@@ -39,7 +39,8 @@ def measure(rank, world, tp, dp, sp, steps, seqlen, batch):
     from megak3.optim import OptimConfig
     from parallel.data_parallel import ShardedOptimizer
     from parallel.parallelize import canonical_name, parallelize_tp, sync_partial_grads
-    from parallel.parity import global_batch, local_rows, make_groups
+    from parallel.testing import global_batch, local_rows
+    from megak3.train.parity import make_groups
 
     tp_group = dp_group = None
     if world > 1:

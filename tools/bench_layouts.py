@@ -35,12 +35,14 @@ def model_overrides():
 
 def measure(rank, world, tp, dp, sp, steps, seqlen, batch):
     """One rank: the production RankStep (megak3.train.parity) at tp x dp; its bytes and step time."""
+    import torch
     import torch.distributed as dist
 
     from megak3.train.parity import parity_job, parity_state, parity_step
     from megak3.train.step import RankStep
     from parallel.plan import canonical_name
 
+    torch.set_num_threads(1)  # as every run_distributed rank: the one-process baseline on one thread too
     job = parity_job(tp, dp, sp, model_overrides(), batch, seqlen, seed=0, lr=1e-3, steps=steps + 1)
     rs = RankStep(job, parity_state(job, world), "cpu", grad_accum=1)
     times = []

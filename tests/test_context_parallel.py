@@ -19,10 +19,9 @@ from megak3.config import load_model_config
 from megak3.model.kda import KimiDeltaAttention
 from megak3.model.mla import GatedMLA
 from megak3.model.seqinfo import make_seq_info
-from parallel.context_parallel import ContextParallel
-from parallel.testing import PARITY_MODEL as MODEL
 from megak3.train.parity import run_steps
-from parallel.testing import run_distributed
+from parallel.context_parallel import ContextParallel
+from parallel.testing import PARITY_MODEL as MODEL, run_distributed
 
 B, T = 2, 48
 # row 0: documents [0,13) [13,24) [24,25) [25,48): the cp2 boundary (24) starts a document, cp4 (12,

@@ -16,9 +16,8 @@ from conftest import SMALL_MODEL
 from megak3.optim import OptimConfig
 from megak3.optim.offload import DeepSpeedHostAdamW, HostAdamW, host_adamw
 from megak3.train import parity
-from parallel.testing import PARITY_MODEL
 from megak3.train.parity import run_steps
-from parallel.testing import run_distributed
+from parallel.testing import PARITY_MODEL, run_distributed
 
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
 SHAPES = [(64, 33), (7,), (1000,), (3, 5, 4)]

@@ -2,9 +2,8 @@
 import pytest
 import torch
 
-from parallel.testing import PARITY_MODEL as MODEL
 from megak3.train.parity import run_steps
-from parallel.testing import run_distributed
+from parallel.testing import PARITY_MODEL as MODEL, run_distributed
 
 
 STEPS = 5

@@ -13,9 +13,8 @@ import torch.distributed as dist
 
 from megak3.config import load_model_config
 from megak3.model.k3 import build_model
-from parallel.testing import PARITY_MODEL, global_batch, local_rows
 from parallel.pipeline import PipelineEngine, keep_stage, partition_layers, rank_chunks
-from parallel.testing import run_distributed
+from parallel.testing import PARITY_MODEL, global_batch, local_rows, run_distributed
 
 RTOL = 1e-5
 ATOL = 1e-9  # absolute floor (norm) for near-cancelling gradients, e.g. a KDA A_log grad of norm 9e-6

@@ -24,9 +24,8 @@ def main(argv=None):
     import torch
 
     torch.set_num_threads(1)
-    from parallel.testing import PARITY_MODEL
     from megak3.train.parity import run_steps
-    from parallel.testing import run_distributed
+    from parallel.testing import PARITY_MODEL, run_distributed
 
     ref = run_steps(0, 1, 1, 1, False, args.steps, PARITY_MODEL, lr=args.lr)
     for code in args.layouts.split(","):

@@ -1,4 +1,6 @@
-"""Multi-rank test harness: run one function on N ranks, each in its own process, and collect results.
+"""Multi-rank test harness: run one function on N ranks, each in its own process, and collect results;
+and the deterministic fixtures of the layout tests (:data:`PARITY_MODEL`, :func:`global_batch`,
+:func:`local_rows`), shared by megak3/train/parity.py, parallel/pipeline/trace.py, tests and tools.
 
     def _sum(rank, world_size, scale):          # module level: it is pickled by reference
         t = torch.tensor([float(rank)]) * scale
@@ -42,7 +44,7 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedTestError", "run_distributed", "run_threaded"]
+__all__ = ["PARITY_MODEL", "DistributedTestError", "global_batch", "local_rows", "run_distributed", "run_threaded"]
 
 # After the first failure the other ranks get this long to report errors of their own before they
 # are killed: long enough for ranks failing on their own at the same time, short enough for a test.
@@ -398,3 +400,46 @@ def run_threaded(world_size: int, fn, timeout: float = 60.0) -> list:
         exc.add_note("\n".join(trace for _, trace in errors))
         raise exc
     return results
+
+
+# ---------------------------------------------------------------------------------------------------
+# Deterministic fixtures of the layout tests and benchmarks (the model widths and the batches every
+# layout and its one-process reference train on).
+
+PARITY_MODEL = {
+    # k3_tiny's structure (layer schedule, 3 AttnRes blocks, dense layer 0, MoE + shared experts)
+    # at widths where every head count and FFN width divides tp=4; trains in milliseconds a step.
+    "hidden_size": 64, "dense_intermediate_size": 128,
+    "kda.num_heads": 4, "kda.head_dim": 16, "kda.gate_rank": 8, "kda.chunk_size": 16,
+    "mla.num_heads": 4, "mla.q_lora_rank": 32, "mla.kv_lora_rank": 16, "mla.qk_nope_head_dim": 8,
+    "mla.qk_rope_head_dim": 8, "mla.v_head_dim": 8,
+    "moe.num_experts": 8, "moe.top_k": 2, "moe.expert_intermediate_size": 32, "moe.latent_size": 32,
+    "vision.enabled": False, "vocab_size": 512,
+}
+"""model.* overrides of k3_tiny used by the layout parity tests and benchmarks"""
+
+
+def _packed_cu(rows: int, seqlen: int) -> torch.Tensor:
+    """cu_seqlens of ``rows`` rows of ``seqlen`` tokens, each packing two documents (cut at T // 3)."""
+    cut = seqlen // 3
+    cu = [0]
+    for b in range(rows):
+        cu += [b * seqlen + cut, (b + 1) * seqlen]
+    return torch.tensor(cu, dtype=torch.int32)
+
+
+def global_batch(step: int, batch: int, seqlen: int, vocab: int, seed: int = 99):
+    """Deterministic token batch with packed documents (two per row) for a step: (ids, labels,
+    cu_seqlens); labels are ids shifted left, -100 at the end of each row."""
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    ids = torch.randint(4, vocab, (batch, seqlen), generator=g)
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = -100
+    return ids, labels, _packed_cu(batch, seqlen)
+
+
+def local_rows(ids, labels, dp_rank: int, dp: int):
+    """The rows of data-parallel rank ``dp_rank`` of ``dp`` (contiguous blocks) and their cu_seqlens."""
+    B = ids.shape[0] // dp
+    ids, labels = ids[dp_rank * B:(dp_rank + 1) * B], labels[dp_rank * B:(dp_rank + 1) * B]
+    return ids, labels, _packed_cu(B, ids.shape[1])

@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from parallel.parity import PARITY_MODEL
+from parallel.testing import PARITY_MODEL
 
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("WANDB_MODE", "offline")

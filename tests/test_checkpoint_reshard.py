@@ -12,8 +12,7 @@ import shutil
 import pytest
 import torch
 
-from parallel.parity import PARITY_MODEL
-from parallel.testing import run_distributed
+from parallel.testing import PARITY_MODEL, run_distributed
 
 pytestmark = pytest.mark.slow
 

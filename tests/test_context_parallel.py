@@ -3,7 +3,7 @@
 Layers: a KDA and a Gated-MLA layer on rows whose documents cross the CP boundaries (one document
 starting exactly on a boundary, one 1-token document), outputs and every gradient (parameters and
 the input) within 1e-5 relative of the whole-sequence layer, at cp = 2, 4 and 8, packed and unpacked.
-Training: the production RankStep (parallel/parity.py run_steps), 5 steps, at cp2 / cp4 / cp8 alone
+Training: the production RankStep (megak3/train/parity.py run_steps), 5 steps, at cp2 / cp4 / cp8 alone
 (step-0 gradients of every parameter, losses, global grad norms) and cp2 combined with tp2+SP, dp2,
 pp2 and ep2 (losses within 1e-4, grad norms); ep2 with MoonEP (counted: every MoE layer's forward
 went through MoonEPDispatcher and it planned replicas) and with the baseline dispatcher.
@@ -19,9 +19,9 @@ from megak3.config import load_model_config
 from megak3.model.kda import KimiDeltaAttention
 from megak3.model.mla import GatedMLA
 from megak3.model.seqinfo import make_seq_info
+from megak3.train.parity import run_steps
 from parallel.context_parallel import ContextParallel
-from parallel.parity import PARITY_MODEL as MODEL, run_steps
-from parallel.testing import run_distributed
+from parallel.testing import PARITY_MODEL as MODEL, run_distributed
 
 B, T = 2, 48
 # row 0: documents [0,13) [13,24) [24,25) [25,48): the cp2 boundary (24) starts a document, cp4 (12,
@@ -158,7 +158,7 @@ LAYOUTS = {  # name: (world, run_steps kwargs)
 def _run_steps_counting_dispatch(rank, world, *args, moonep: bool = True, **kw):
     """run_steps, with moonep.enabled set and every expert dispatcher's calls counted on this rank:
     (run_steps' result, {'moonep': calls, 'baseline': calls, 'replicas': MoonEP replicas planned})."""
-    import parallel.parity as parity
+    import megak3.train.parity as parity
     from moonep.dispatch import BaselineDispatcher
     from moonep.moonep import MoonEPDispatcher
 
@@ -230,7 +230,7 @@ def _train(rank, world, corpus, run_dir, max_steps, par):
 
 def _full_weights(tr):
     """Every parameter, gathered over tp, by canonical name (the same on every rank)."""
-    from parallel.parity import full_tensor
+    from megak3.train.parity import full_tensor
     from parallel.plan import canonical_name
 
     dims = tr.plan.tp_shard_dim

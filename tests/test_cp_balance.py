@@ -18,8 +18,7 @@ from megak3.model.mla import GatedMLA
 from megak3.model.seqinfo import make_seq_info
 from megak3.ops.attention import chunked_attention, latent_attention
 from parallel.context_parallel import ContextParallel, balanced_blocks, mla_score_work
-from parallel.parity import PARITY_MODEL as MODEL
-from parallel.testing import run_distributed
+from parallel.testing import PARITY_MODEL as MODEL, run_distributed
 
 B, T = 2, 48
 CU = [0, 13, 24, 25, 48, 96]  # as tests/test_context_parallel.py: documents across every cp's cuts
@@ -149,12 +148,12 @@ def test_per_rank_mla_work_is_balanced(cp):
         assert max(con) > 1.4 * sum(con) / cp, [w * cp / sum(con) for w in con]  # what balancing fixes
 
 
-# ---- the production step under cp_balance (parallel.parity.run_steps) -----------------------------
+# ---- the production step under cp_balance (megak3.train.parity.run_steps) -----------------------------
 def _balanced_steps(rank, world, steps):
     from types import SimpleNamespace
 
     import parallel.context_parallel as cpmod
-    from parallel.parity import run_steps
+    from megak3.train.parity import run_steps
 
     # parallel/parallelize.py imports parallelize_cp at call time: hand it cp_balance=true whatever
     # the parity job's config says
@@ -174,7 +173,7 @@ def _balanced_steps(rank, world, steps):
 def test_training_step_matches_single_process():
     """cp4 with cp_balance through the production RankStep: losses, grad norms and the step-0 gradient of
     every parameter as tests/test_context_parallel.py's tolerances."""
-    from parallel.parity import run_steps
+    from megak3.train.parity import run_steps
 
     ref = run_steps(0, 1, 1, 1, False, 2, MODEL)
     got, calls = run_distributed(_balanced_steps, 4, 2, timeout_s=300)[0]

@@ -62,7 +62,7 @@ def test_cpu_dry_pass_runs_b_to_d_against_their_twins(dry_report):
     # the planner's FLOPs per token of the model that ran
     from megak3.config import load_model_config
     from megak3.launch.planner import flops_per_token
-    from parallel.parity import PARITY_MODEL
+    from parallel.testing import PARITY_MODEL
 
     cfg = load_model_config("k3_tiny", **PARITY_MODEL)
     assert tp["train_flops_per_token"] == pytest.approx(flops_per_token(cfg, tp["seq_len"])["train"])

@@ -17,9 +17,8 @@ from megak3.ops.grouped_gemm import grouped_linear, grouped_weight_grad, pick_im
 from moonep.buffers import BufferPool
 from moonep.config import MoonEPConfig
 from parallel.expert_parallel import full_expert_tensor, parallelize_ep
-from parallel.grid import Layout
-from parallel.parity import PARITY_MODEL
-from parallel.testing import run_distributed
+from parallel.testing import PARITY_MODEL, run_distributed
+from test_moonep_dispatch import _expert_groups  # (ep, edp) groups from init_parallel at dp = world
 from test_moonep_dispatch import _run_layers  # forward through the layers, backward of (h * w).sum()
 
 RTOL = 1e-5
@@ -126,13 +125,7 @@ def test_layer_ep1_grouped_vs_loop():
 def _ep_cases(rank, world, eps):
     out = {}
     for ep in eps:
-        layout = Layout(world_size=world, dp=world, ep=ep)
-        groups = {}
-        for axis in ("ep", "edp"):
-            for ranks in layout.expert_groups()[axis]:
-                g = dist.new_group(ranks) if len(ranks) > 1 else None
-                if rank in ranks:
-                    groups[axis] = g
+        groups = dict(zip(("ep", "edp"), _expert_groups(world, ep)))  # the production init_parallel
         res = {}
         for impl in (None, "loop"):
             layers, cfg = _layers(impl)

@@ -36,7 +36,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from megak3.config import load_model_config
 from megak3.model.moe import LatentMoE
-from parallel.parity import PARITY_MODEL
+from parallel.testing import PARITY_MODEL
 
 aten = torch.ops.aten
 
@@ -243,7 +243,8 @@ def _step_events(rank=0, world=1, layout=None, loss_fn=None):
     """Events of one non-logging production step (the second; the first warms lazy state up) on
     this rank. layout: parity_job keyword arguments (tp, sp, cp, ep; dp fills the world)."""
     from megak3.train.step import RankStep
-    from parallel.parity import global_batch, local_rows, parity_job
+    from parallel.testing import global_batch, local_rows
+    from megak3.train.parity import parity_job
     from parallel.state import ParallelState, init_parallel
 
     lay = {"tp": 1, "sp": False, "cp": 1, "ep": 1, **(layout or {})}
@@ -295,7 +296,7 @@ def test_spy_sees_moved_labels_as_device_data():
 
     from megak3.model.k3 import build_model
     from megak3.train.step import RankStep
-    from parallel.parity import global_batch, local_rows
+    from parallel.testing import global_batch, local_rows
 
     model = build_model(load_model_config("k3_tiny", **PARITY_MODEL), seed=1)
     ids, labels, _ = global_batch(0, 1, 32, model.config.vocab_size)

@@ -15,7 +15,7 @@ from megak3.config import load_model_config
 from megak3.inference import Engine, SamplingParams
 from megak3.inference.runner import ModelRunner
 from megak3.model.k3 import build_model
-from parallel.parity import PARITY_MODEL
+from parallel.testing import PARITY_MODEL
 
 REL = 1e-5
 

@@ -10,7 +10,7 @@ import torch
 
 from megak3.inference import Engine, InferenceError
 from megak3.checkpoint.writer import ShardedCheckpointer, ShardEntry
-from parallel.parity import PARITY_MODEL
+from parallel.testing import PARITY_MODEL
 from test_inference_decode import REL, rel_err, small_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))

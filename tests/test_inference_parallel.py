@@ -3,8 +3,7 @@ greedy tokens of one process, with logprobs within fp32 rounding (2 gloo ranks e
 import pytest
 import torch
 
-from parallel.parity import PARITY_MODEL
-from parallel.testing import run_distributed
+from parallel.testing import PARITY_MODEL, run_distributed
 
 pytestmark = pytest.mark.slow
 
@@ -15,7 +14,7 @@ PROMPTS = [[5, 17, 99, 250, 41, 7, 300, 12, 64], [9, 8, 7, 6, 5, 4, 3, 200, 201,
 def _generate(rank, world, tp, dp, ep):
     from megak3.inference import Engine, SamplingParams
     from megak3.train.step import RankStep
-    from parallel.parity import parity_job
+    from megak3.train.parity import parity_job
     from parallel.state import ParallelState, init_parallel
 
     torch.set_num_threads(1)

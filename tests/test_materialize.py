@@ -10,7 +10,7 @@ from megak3.model.init import TILE_COLS, init_slice
 from megak3.model.k3 import build_model
 from parallel.materialize import materialize
 from parallel.parallelize import parallelize
-from parallel.parity import PARITY_MODEL
+from parallel.testing import PARITY_MODEL
 from parallel.plan import canonical_name
 
 LAYOUTS = {

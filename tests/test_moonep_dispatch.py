@@ -4,7 +4,8 @@ Routing is forced to be skewed (router bias on a few experts), so MoonEP must pl
 Layer cases: two chained LatentMoE layers, ep in {2, 4, 8} on 8 ranks (edp = 4, 2, 1), both
 dispatchers; output, input gradient and every parameter gradient (experts gathered to full)
 against one process on the whole batch. Model case: k3_tiny (parity widths) under tp=2 + SP and
-ep=2 for 5 optimizer steps, both dispatchers, losses and step-0 gradients against one process.
+ep=2 for 5 optimizer steps of the production RankStep, both dispatchers, losses and step-0
+gradients against one process. Process groups come from the production init_parallel.
 """
 import pytest
 import torch
@@ -14,10 +15,10 @@ from megak3.config import load_model_config
 from megak3.model.moe import LatentMoE
 from moonep.buffers import BufferPool
 from moonep.config import MoonEPConfig
+from parallel.config import ParallelConfig
 from parallel.expert_parallel import full_expert_tensor, parallelize_ep
-from parallel.grid import Layout
-from parallel.parity import PARITY_MODEL
-from parallel.testing import run_distributed
+from parallel.state import init_parallel
+from parallel.testing import PARITY_MODEL, run_distributed
 
 RTOL = 1e-5
 T_LOC = 16          # tokens per rank (S)
@@ -59,14 +60,9 @@ def _rel(a, b):
 
 
 def _expert_groups(world, ep):
-    layout = Layout(world_size=world, dp=world, ep=ep)
-    mine = {}
-    for axis in ("ep", "edp"):
-        for ranks in layout.expert_groups()[axis]:
-            g = dist.new_group(ranks) if len(ranks) > 1 else None
-            if dist.get_rank() in ranks:
-                mine[axis] = g
-    return mine["ep"], mine["edp"]
+    """(ep group, edp group) of this rank at dp = world, ep = ``ep``: the production init_parallel."""
+    ps = init_parallel(ParallelConfig(dp=world, ep=ep, backend="gloo"))
+    return ps.ep_group, ps.edp_group
 
 
 def _layer_cases(rank, world, eps):
@@ -138,69 +134,27 @@ def test_layer_parity_ep_2_4_8():
 
 
 def _model_steps(rank, world, tp, ep, enabled, steps):
-    """k3_tiny under tp (with SP) x ep, ``steps`` AdamW/Muon steps (no clipping); rank-0 results."""
-    from megak3.model.k3 import build_model
-    from megak3.optim import OptimConfig, build_optimizer
-    from parallel.parallelize import canonical_name, parallelize_tp, sync_partial_grads
-    from parallel.parity import full_tensor, global_batch, local_rows
+    """k3_tiny under tp (with SP) x ep through the production RankStep (the parity harness),
+    ``steps`` Muon/AdamW steps with the skewed router bias, no clipping and no Quantile Balancing
+    (the skew stays); rank-0 results: losses, step-0 gradients (full), dispatcher facts."""
+    from megak3.train.parity import parity_job, parity_state, parity_step
+    from megak3.train.step import RankStep
 
-    cfg = _cfg()
-    tp_group = dp_group = ep_group = edp_group = None
-    dp = world // tp
-    if world > 1:
-        layout = Layout(world_size=world, tp=tp, dp=dp, ep=ep)
-        mine = {}
-        for kind, axes in (("dense", ("tp", "dp")), ("expert", ("ep", "edp"))):
-            groups = layout.dense_groups() if kind == "dense" else layout.expert_groups()
-            for axis in axes:
-                for ranks in groups[axis]:
-                    g = dist.new_group(ranks) if len(ranks) > 1 else None
-                    if rank in ranks:
-                        mine[axis] = g
-        tp_group, dp_group, ep_group, edp_group = mine["tp"], mine["dp"], mine["ep"], mine["edp"]
-    model = build_model(cfg, seed=5)
-    for moe in model.moe_layers():
-        moe.gate.e_score_correction_bias.copy_(torch.tensor(SKEW))
-    tp_plan = parallelize_tp(model, tp_group, sequence_parallel=tp > 1)
-    ep_plan = parallelize_ep(model, ep_group, MoonEPConfig(enabled=enabled))
-    # routed experts are EP-sharded: their gradients are complete per EP group (reduced over edp),
-    # never summed over TP even under SP
-    tp_plan.partial_grad = [n for n in tp_plan.partial_grad if n not in ep_plan.shard_dim]
-    opt = build_optimizer(model, OptimConfig(lr=1e-3, warmup_steps=0, schedule="constant", ns_dtype="float32"))
-    if opt.muon is not None and tp > 1:
-        heads_of = {id(p): h for g in opt.muon.param_groups for p, h in zip(g["params"], g["heads"])}
-        for n, p in model.named_parameters():
-            dim = tp_plan.shard_dim.get(canonical_name(n))
-            if dim is not None and id(p) in heads_of and heads_of[id(p)] is None:
-                opt.muon.set_tp_shard(p, dim, tp_group)
-    dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+    job = parity_job(tp, world // tp, tp > 1, {**PARITY_MODEL, "moe.balancing": "none"}, 4, 32, 5, 1e-3, steps,
+                     ep=ep)
+    job.optim.grad_clip = 0.0
+    job.moonep.enabled = enabled
+    rs = RankStep(job, parity_state(job, world), "cpu", grad_accum=1)
+    with torch.no_grad():
+        for moe in rs.model.moe_layers():
+            moe.gate.e_score_correction_bias.copy_(torch.tensor(SKEW))
+    dispatchers = rs.plan.ep.dispatchers if rs.plan.ep is not None else []
     losses, grads0, facts = [], None, []
     for step in range(steps):
-        ids, labels, _ = global_batch(step, 4, 32, cfg.vocab_size)
-        n_tok = int((labels != -100).sum())
-        ids, labels, cu = local_rows(ids, labels, dp_rank, dp)
-        out = model(ids, labels=labels, cu_seqlens=cu)
-        (out.loss_sum / n_tok).backward()
-        sync_partial_grads(model, tp_plan, tp_group)
-        loss_sum = out.loss_sum.detach().clone()
-        for n, p in model.named_parameters():
-            group = edp_group if canonical_name(n) in ep_plan.shard_dim else dp_group
-            if p.grad is not None and group is not None:
-                dist.all_reduce(p.grad, group=group)
-        if dp_group is not None:
-            dist.all_reduce(loss_sum, group=dp_group)
-        losses.append(float(loss_sum) / n_tok)
-        facts += [dict(d.last) for d in ep_plan.dispatchers]
-        if step == 0:
-            grads0 = {}
-            for n, p in model.named_parameters():
-                if p.grad is None:
-                    continue
-                c = canonical_name(n)
-                g = full_tensor(p.grad, tp_plan.shard_dim.get(c), tp_group)
-                grads0[c] = full_expert_tensor(g, ep_plan) if c in ep_plan.shard_dim else g
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        out = parity_step(rs, step, steps, 4, 32, grads=step == 0)
+        grads0 = out["grads"] if step == 0 else grads0
+        losses.append(out["loss"])
+        facts += [dict(d.last) for d in dispatchers]
     return {"losses": losses, "grads": grads0, "facts": facts} if rank == 0 else None
 
 

@@ -8,7 +8,7 @@ import torch
 
 from megak3.config import load_model_config
 from megak3.launch import planner as P
-from parallel.parity import PARITY_MODEL
+from parallel.testing import PARITY_MODEL
 
 
 def _model_case(rank, world, recompute):

@@ -102,7 +102,7 @@ def _layer_case(rank, world, tolerance, autocast):
     from megak3.model.moe import LatentMoE
     from moonep.buffers import BufferPool
     from parallel.expert_parallel import full_expert_tensor, parallelize_ep
-    from parallel.parity import PARITY_MODEL
+    from parallel.testing import PARITY_MODEL
 
     cfg = load_model_config("k3_tiny", **PARITY_MODEL)
     skew = torch.tensor([0.12, 0.09, 0.06, 0.0, 0.0, 0.0, 0.0, 0.0])

@@ -6,8 +6,7 @@ import math
 import pytest
 import torch
 
-from parallel.parity import PARITY_MODEL
-from parallel.testing import run_distributed
+from parallel.testing import PARITY_MODEL, run_distributed
 
 pytestmark = pytest.mark.slow
 STEPS, BAD_STEP = 3, 1
@@ -22,7 +21,8 @@ def _snapshot(rs):
 
 def _poisoned_steps(rank, world, tp, dp, sp, pp, ep, where):
     from megak3.train.step import RankStep
-    from parallel.parity import global_batch, local_rows, parity_job
+    from parallel.testing import global_batch, local_rows
+    from megak3.train.parity import parity_job
     from parallel.state import init_parallel
 
     job = parity_job(tp, dp, sp, PARITY_MODEL, 4, 32, 5, 1e-3, STEPS, pp=pp, ep=ep)

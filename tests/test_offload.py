@@ -3,7 +3,7 @@
 Kernels: the torch twin is bitwise ``torch.optim.AdamW(fused=True)``; DeepSpeed's CPU Adam is
 within fp32 rounding of it (skipped when DeepSpeed is not installed). Both honour ``found_inf``,
 and their state dicts load into each other and into torch's AdamW. Training: the production
-RankStep (parallel/parity.py run_steps) with offload=cpu against offload=none, one process and
+RankStep (megak3/train/parity.py run_steps) with offload=cpu against offload=none, one process and
 ZeRO-1 over dp=2, and a checkpoint saved without offload resumed with it (the Trainer).
 """
 import re
@@ -15,9 +15,9 @@ import torch
 from conftest import SMALL_MODEL
 from megak3.optim import OptimConfig
 from megak3.optim.offload import DeepSpeedHostAdamW, HostAdamW, host_adamw
-from parallel import parity
-from parallel.parity import PARITY_MODEL, run_steps
-from parallel.testing import run_distributed
+from megak3.train import parity
+from megak3.train.parity import run_steps
+from parallel.testing import PARITY_MODEL, run_distributed
 
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
 SHAPES = [(64, 33), (7,), (1000,), (3, 5, 4)]

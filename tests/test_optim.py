@@ -443,7 +443,8 @@ def test_skipped_step_is_bitwise_a_step_that_never_happened():
     leaves params, optimizer state and QB biases exactly as if it had not run: the run with the
     poisoned step in the middle ends bitwise equal to the run without it."""
     from megak3.train.step import RankStep
-    from parallel.parity import PARITY_MODEL, global_batch, local_rows, parity_job
+    from parallel.testing import PARITY_MODEL, global_batch, local_rows
+    from megak3.train.parity import parity_job
     from parallel.state import ParallelState
 
     def run(poison: bool):

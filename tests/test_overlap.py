@@ -200,7 +200,8 @@ def test_zero1_param_gather_behind_forward_is_bitwise_and_deferred():
 
 
 def _rank_step_worker(rank, world, flag_names, pp, tp=1, ep=1, cp=1, steps=2):
-    from parallel.parity import PARITY_MODEL, global_batch, local_rows, parity_job
+    from parallel.testing import PARITY_MODEL, global_batch, local_rows
+    from megak3.train.parity import parity_job
     from parallel.state import init_parallel
     from megak3.train.step import RankStep, all_reduce_sum
     from parallel.data_parallel import build_sharded_optimizer

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from parallel.parity import PARITY_MODEL as MODEL, run_steps
-from parallel.testing import run_distributed
+from megak3.train.parity import run_steps
+from parallel.testing import PARITY_MODEL as MODEL, run_distributed
 
 
 STEPS = 5

@@ -13,9 +13,8 @@ import torch.distributed as dist
 
 from megak3.config import load_model_config
 from megak3.model.k3 import build_model
-from parallel.parity import PARITY_MODEL, global_batch, local_rows
 from parallel.pipeline import PipelineEngine, keep_stage, partition_layers, rank_chunks
-from parallel.testing import run_distributed
+from parallel.testing import PARITY_MODEL, global_batch, local_rows, run_distributed
 
 RTOL = 1e-5
 ATOL = 1e-9  # absolute floor (norm) for near-cancelling gradients, e.g. a KDA A_log grad of norm 9e-6
@@ -208,7 +207,7 @@ def _combined_steps(rank, world, tp, sp, cp, dp, schedule, vp):
     """3 production steps (RankStep: pipeline engine inside tp / cp / dp groups); rank 0's losses and
     global gradient norms."""
     from megak3.train.step import RankStep, all_reduce_sum
-    from parallel.parity import parity_job
+    from megak3.train.parity import parity_job
     from parallel.state import init_parallel
 
     job = parity_job(tp, dp, sp, PARITY_MODEL, 4, 32, 5, 1e-3, 3, cp=cp, pp=2)
@@ -237,7 +236,7 @@ COMBINED = {"pp2-tp2sp-zb_h1": (2, True, 1, 1, "zb_h1", 1), "pp2-cp2-afab": (1, 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(COMBINED))
 def test_schedules_in_combined_layouts_match_one_process(name):
-    from parallel.parity import run_steps
+    from megak3.train.parity import run_steps
 
     tp, sp, cp, dp, schedule, vp = COMBINED[name]
     ref = run_steps(0, 1, 1, 1, False, 3, PARITY_MODEL, batch=4, seqlen=32, seed=5, lr=1e-3)

@@ -470,7 +470,7 @@ def _replica_buffer_case(rank, world, autocast, in_flight):
     from moonep.buffers import BufferPool
     from moonep.config import MoonEPConfig
     from parallel.expert_parallel import parallelize_ep
-    from parallel.parity import PARITY_MODEL
+    from parallel.testing import PARITY_MODEL
 
     cfg = load_model_config("k3_tiny", **PARITY_MODEL)
     torch.manual_seed(11)
@@ -493,7 +493,7 @@ def _replica_buffer_case(rank, world, autocast, in_flight):
 
 @pytest.mark.parametrize("autocast,in_flight", [(False, 1), (True, 2)])
 def test_moonep_replica_buffer_bytes_equal_a_real_layer(autocast, in_flight):
-    from parallel.parity import PARITY_MODEL
+    from parallel.testing import PARITY_MODEL
     from parallel.testing import run_distributed
 
     cfg = load_model_config("k3_tiny", **PARITY_MODEL)

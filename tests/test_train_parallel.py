@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from parallel.parity import PARITY_MODEL as MODEL
+from parallel.testing import PARITY_MODEL as MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel.parity import PARITY_MODEL, parity_job
-from parallel.testing import run_distributed
+from megak3.train.parity import parity_job
+from parallel.testing import PARITY_MODEL, run_distributed
 
 MODEL = {**PARITY_MODEL, "vision.enabled": True}
 STEPS, BATCH, SEQ, MEDIA, SIDE = 5, 4, 32, 3, 28

@@ -11,7 +11,7 @@ from megak3.config import load_model_config
 from megak3.model.k3 import build_model
 from megak3.ops.grouped_gemm import grouped_linear
 from megak3.ops.weight_grad import WeightGradStore, checkpoint_contexts
-from parallel.parity import PARITY_MODEL, global_batch, local_rows
+from parallel.testing import PARITY_MODEL, global_batch, local_rows
 
 
 def _rel(a, b):

@@ -1,28 +1,34 @@
-"""ZeRO-1 ShardedOptimizer under tensor parallelism, and layout-free optimizer checkpoints.
+"""ZeRO-1 under tensor parallelism through the production step, and optimizer state across layouts.
 
-Every layout trains the real K3 model (tests/test_parity_tp.py MODEL widths, seed 5) on the same
-global batches as parallel.parity.run_steps; the reference is the same loop in one process (fp32
-Newton–Schulz). tp2×dp2 must reproduce its losses and grad norms; a state consolidated at
-tp2×dp2 after 2 steps must resume on tp1 (one process), tp1×dp4 and tp2×dp2 (SP) to the
-uninterrupted losses of steps 3–4.
+Every layout runs the production ``RankStep`` through the parity harness (megak3.train.parity: the
+real K3 model at PARITY_MODEL widths, seed 5, the same global batches as ``run_steps``, fp32
+Newton–Schulz, constant LR, clip 1.0); the reference is the same in one process. tp2×dp2 must
+reproduce its losses and grad norms, and every step's clip norm must be the norm of that step's full
+gradients (summed over DP, gathered over TP). The training state after 2 steps at tp2×dp2 is read
+through the plan's boxes: every rank's box of each model tensor (``plan.tensors``) and of the
+optimizer state it owns (``ShardedOptimizer.export_state``, what the checkpoint writes) pasted into
+global tensors. It must equal the single-process state, and must resume on tp1 (one process),
+tp1×dp4 and tp2×dp2 (SP) to the uninterrupted losses of steps 3–4: each rank copies its boxes into
+its model and loads its optimizer state with ``load_consolidated_state``, as the trainer's load does.
 """
 import pytest
 import torch
-import torch.distributed as dist
 
-from megak3.config import load_model_config
-from megak3.model.k3 import build_model
-from megak3.optim import OptimConfig, lr_at, set_lr
-from parallel.data_parallel import (CANONICAL_FORMAT, ShardedOptimizer, consolidate_model_state,
-                                    consolidate_optimizer_state, load_consolidated_state)
-from parallel.parallelize import TPPlan, canonical_name, load_full_state, parallelize_tp, sync_partial_grads
-from parallel.parity import global_batch, local_rows, make_groups
-from parallel.testing import run_distributed
-from parallel.parity import PARITY_MODEL as MODEL
+from megak3.train.parity import parity_job, parity_state, parity_step
+from megak3.train.step import RankStep
+from parallel.data_parallel import CANONICAL_FORMAT
+from parallel.data_parallel import load_consolidated_state
+from parallel.plan import canonical_name
+from parallel.state import ParallelState
+from parallel.testing import PARITY_MODEL, run_distributed
 
+MODEL = {**PARITY_MODEL, "moe.balancing": "none"}
+"""the parity model without Quantile Balancing (router biases stay 0), as this test's loop always ran:
+QB's bias update turns the layouts' fp32 reduction-order noise into routing flips (measured with it:
+2.9e-4 relative in the step-2 grad norm at tp2×dp2); QB under layouts is tests/test_parity_tp.py's"""
 STEPS = 4
-OCFG = OptimConfig(lr=1e-3,  # = parallel.parity.run_steps default
-                   warmup_steps=0, grad_clip=1.0, schedule="constant", ns_dtype="float32")
+BATCH, SEQLEN, SEED, LR = 4, 32, 5, 1e-3  # = megak3.train.parity.run_steps defaults
+OCFG = parity_job(1, 1, False, MODEL, BATCH, SEQLEN, SEED, LR, STEPS).optim  # clip 1.0, constant LR
 LOSS_TOL = 1e-4
 NORM_RTOL = 1e-5
 TRAJ_NORM_RTOL = 1e-4
@@ -33,68 +39,76 @@ momentum <= 3e-4 (small f_b/b_proj grads), AdamW moments <= 7e-4 (norm weights w
 would be O(1)."""
 
 
-def rule_norm(model, plan, tp_group, dp_group) -> float:
-    """The TP-aware global norm rule applied to the DP-summed model gradients of this very step
-    (parallel.parity.grad_norm after a flat DP all-reduce): what clip_grad_norm_ must return."""
-    named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for _, g in named])
-    if dp_group is not None and dp_group.size() > 1:
-        dist.all_reduce(flat, group=dp_group)
-    sq = torch.zeros(2, dtype=torch.float64)  # [sharded, replicated]
-    for (n, g), part in zip(named, flat.split([g.numel() for _, g in named])):
-        sq[int(plan.shard_dim.get(canonical_name(n)) is None)] += part.double().pow(2).sum()
-    if plan.tp_size > 1:
-        sq[0:1] = _all_reduced(sq[0:1], tp_group)
-    return float(sq.sum().sqrt())
+def rule_norm(grads: dict) -> float:
+    """The global norm of the full gradients (summed over DP, TP shards gathered, TP partial sums
+    taken once): what the TP-aware clip_grad_norm_ must return."""
+    return float(sum(g.double().pow(2).sum() for g in grads.values()).sqrt())
 
 
-def _all_reduced(t, group):
-    t = t.clone()
-    dist.all_reduce(t, group=group)
-    return t
+def _box(shard):
+    return tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.local_shape))
+
+
+def rank_boxes(rs: RankStep) -> dict:
+    """This rank's training state as boxes of global tensors: its model tensors and the exported
+    optimizer state of the params it owns (ZeRO-1), with the plan's box of every tensor."""
+    model = {canonical_name(k): v.detach().clone() for k, v in rs.model.state_dict().items()}
+    return {"model": model, "optim": rs.optimizer.export_state(canonical=True), "shards": dict(rs.plan.tensors)}
+
+
+def paste_boxes(ranks: list) -> tuple:
+    """(model state, canonical optimizer state) of the whole model from every rank's boxes."""
+    model, optim = {}, {"format": CANONICAL_FORMAT, "state": {}, "optimizer": {}, "hyperparameters": {}}
+    for r in ranks:
+        for n, t in r["model"].items():
+            model.setdefault(n, torch.zeros(r["shards"][n].global_shape, dtype=t.dtype))[_box(r["shards"][n])] = t
+        exp = r["optim"]
+        assert exp["format"] == CANONICAL_FORMAT
+        for n, st in exp["state"].items():
+            dst = optim["state"].setdefault(n, {})
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.ndim > 0:
+                    dst.setdefault(k, torch.zeros(r["shards"][n].global_shape, dtype=v.dtype))[_box(r["shards"][n])] = v
+                else:
+                    dst[k] = v
+            optim["optimizer"][n] = exp["optimizer"][n]
+            optim["hyperparameters"][n] = exp["hyperparameters"][n]
+    return model, optim
+
+
+@torch.no_grad()
+def load_boxes(rs: RankStep, model_state: dict, opt_state: dict | None) -> None:
+    """Each tensor's box of this rank from global states into the model and the ZeRO-1 optimizer."""
+    shards = rs.plan.tensors
+    for k, v in rs.model.state_dict().items():
+        v.copy_(model_state[canonical_name(k)][_box(shards[canonical_name(k)])])
+    if opt_state is not None:
+        local = {n: {k: v[_box(shards[n])] if torch.is_tensor(v) and v.ndim > 0 else v for k, v in st.items()}
+                 for n, st in opt_state["state"].items()}
+        load_consolidated_state(rs.optimizer, {**opt_state, "state": local}, None)
 
 
 def zero_train(rank, world, tp, dp, steps, sp=False, model_state=None, opt_state=None, consolidate=False):
-    """Train ``steps`` (step indices) with ShardedOptimizer at tp×dp; rank 0 returns losses, grad norms,
-    the norm rule's value for each step and, with ``consolidate``, the full optimizer state before
-    the first and after the last step plus the full model state. ``model_state`` / ``opt_state``
-    resume from consolidated ones."""
-    tp_group = dp_group = None
-    if world > 1:
-        tp_group, dp_group = make_groups(tp, dp)
-    cfg = load_model_config("k3_tiny", **MODEL)
-    model = build_model(cfg, seed=5)
-    plan = parallelize_tp(model, tp_group, sequence_parallel=sp)
+    """Train ``steps`` (step indices) with the production RankStep at tp×dp; returns losses, grad
+    norms and the norm rule's value for each step (rank 0) and, with ``consolidate``, every rank's
+    boxes before the first and after the last step. ``model_state`` / ``opt_state`` (global
+    tensors) resume."""
+    job = parity_job(tp, dp, sp, MODEL, BATCH, SEQLEN, SEED, LR, STEPS)
+    rs = RankStep(job, parity_state(job, world), "cpu", grad_accum=1)
     if model_state is not None:
-        load_full_state(model, model_state, plan)
-    opt = ShardedOptimizer(model, OCFG, dp_group, tp_group=tp_group, shard_dim=plan.shard_dim)
-    if opt_state is not None:
-        load_consolidated_state(opt, opt_state, plan)
+        load_boxes(rs, model_state, opt_state)
     out = {"losses": [], "grad_norms": [], "rule_norms": []}
     if consolidate:
-        out["opt_state0"] = consolidate_optimizer_state(opt, plan, tp_group, dp_group)
-    dp_rank = 0 if dp_group is None else dp_group.rank()
+        out["boxes0"] = rank_boxes(rs)
     for step in steps:
-        ids, labels, _ = global_batch(step, 4, 32, cfg.vocab_size)
-        global_tokens = int((labels != -100).sum())
-        ids, labels, cu = local_rows(ids, labels, dp_rank, dp)
-        res = model(ids, labels=labels, cu_seqlens=cu)
-        (res.loss_sum / global_tokens).backward()
-        sync_partial_grads(model, plan, tp_group)
-        out["rule_norms"].append(rule_norm(model, plan, tp_group, dp_group))
-        opt.reduce_gradients()
-        out["grad_norms"].append(float(opt.clip_grad_norm_(OCFG.grad_clip)))
-        set_lr(opt, lr_at(step, OCFG, STEPS))
-        opt.step()
-        opt.zero_grad()
-        loss_sum = res.loss_sum.detach().clone()
-        if dp > 1:
-            dist.all_reduce(loss_sum, group=dp_group)
-        out["losses"].append(float(loss_sum) / global_tokens)
+        r = parity_step(rs, step, STEPS, BATCH, SEQLEN, grads=True)
+        out["rule_norms"].append(rule_norm(r["grads"]))
+        out["grad_norms"].append(r["grad_norm"])
+        out["losses"].append(r["loss"])
     if consolidate:
-        out["model_state"] = consolidate_model_state(model, plan, tp_group)
-        out["opt_state"] = consolidate_optimizer_state(opt, plan, tp_group, dp_group)
-        out["tp_shard_dims"] = {n: d for n, d in plan.shard_dim.items() if d is not None}
+        out["boxes"] = rank_boxes(rs)
+        out["tp_shard_dims"] = {n: d for n, d in rs.plan.tp_shard_dim.items() if d is not None}
+        return out
     return out if rank == 0 else None
 
 
@@ -106,9 +120,14 @@ def reference():
 @pytest.fixture(scope="module")
 def saved():
     """2 steps at tp2×dp2, consolidated on rank 0; and the same 2 steps single-process."""
-    dist_run = run_distributed(zero_train, 4, 2, 2, range(2), consolidate=True, timeout_s=300)[0]
+    ranks = run_distributed(zero_train, 4, 2, 2, range(2), consolidate=True, timeout_s=300)
     single = zero_train(0, 1, 1, 1, range(2), consolidate=True)
-    return dist_run, single
+    out = []
+    for run in (ranks, [single]):
+        model_state, opt_state = paste_boxes([r["boxes"] for r in run])
+        out.append({**run[0], "model_state": model_state, "opt_state": opt_state,
+                    "opt_state0": paste_boxes([r["boxes0"] for r in run])[1]})
+    return tuple(out)
 
 
 def _rel(a, b):
@@ -187,9 +206,9 @@ def test_resume_without_optimizer_state_differs(reference, saved):
 
 def test_incompatible_states_are_rejected(saved):
     full = saved[0]["opt_state"]
-    cfg = load_model_config("k3_tiny", **MODEL)
-    opt = ShardedOptimizer(build_model(cfg, seed=5), OCFG, None)
-    plan = TPPlan(tp_size=1, tp_rank=0, sequence_parallel=False)  # tp1: no slicing
+    job = parity_job(1, 1, False, MODEL, BATCH, SEQLEN, SEED, LR, STEPS)
+    opt = RankStep(job, ParallelState.single(), "cpu", grad_accum=1).optimizer
+    plan = None  # tp1: no slicing
     name = next(n for n, d in saved[0]["tp_shard_dims"].items() if full["state"][n])
     with pytest.raises(ValueError, match="format"):
         load_consolidated_state(opt, {"state": full["state"]}, plan)

@@ -3,7 +3,9 @@
 
     python tools/bench_layouts.py [--layouts 1x1,2x1,4x1,1x2,1x4,2x2] [--sp] [--steps 3] [--seqlen 64]
 
-Each layout is tp x dp on tp*dp gloo ranks (CPU). For every layout it prints, per rank: model
+Each layout is tp x dp on tp*dp gloo ranks (CPU), every rank running the production step
+(megak3.train.step.RankStep through megak3.train.parity: ZeRO-1 Muon/AdamW, clip, Quantile
+Balancing; process groups from parallel.state.init_parallel). For every layout it prints, per rank: model
 parameter bytes (what the rank holds of the weights), optimizer bytes (fp32 main params + Muon /
 AdamW state owned under ZeRO-1), the analytic expectation for both, and the median step time as a
 ratio to the single-process run. Analytic model bytes: replicated params + sharded params / tp.
@@ -20,9 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+
 def model_overrides():
-    """The parity-test model (parallel.parity.PARITY_MODEL) at twice its widths."""
-    from parallel.parity import PARITY_MODEL
+    """The parity-test model (parallel.testing.PARITY_MODEL) at twice its widths."""
+    from parallel.testing import PARITY_MODEL
 
     return {**PARITY_MODEL, "hidden_size": 128, "dense_intermediate_size": 256, "kda.head_dim": 32,
             "kda.gate_rank": 16, "kda.chunk_size": 32, "mla.q_lora_rank": 64, "mla.kv_lora_rank": 32,
@@ -31,48 +34,32 @@ def model_overrides():
 
 
 def measure(rank, world, tp, dp, sp, steps, seqlen, batch):
+    """One rank: the production RankStep (megak3.train.parity) at tp x dp; its bytes and step time."""
     import torch
     import torch.distributed as dist
 
-    from megak3.config import load_model_config
-    from megak3.model.k3 import build_model
-    from megak3.optim import OptimConfig
-    from parallel.data_parallel import ShardedOptimizer
-    from parallel.parallelize import canonical_name, parallelize_tp, sync_partial_grads
-    from parallel.parity import global_batch, local_rows, make_groups
+    from megak3.train.parity import parity_job, parity_state, parity_step
+    from megak3.train.step import RankStep
+    from parallel.plan import canonical_name
 
-    tp_group = dp_group = None
-    if world > 1:
-        tp_group, dp_group = make_groups(tp, dp)
-    cfg = load_model_config("k3_tiny", **model_overrides())
-    model = build_model(cfg, seed=0)
-    plan = parallelize_tp(model, tp_group, sequence_parallel=sp)
-    opt = ShardedOptimizer(model, OptimConfig(ns_dtype="float32"), dp_group)
-    if tp > 1:
-        opt.set_tensor_parallel(tp_group, plan.shard_dim)
-    dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+    torch.set_num_threads(1)  # as every run_distributed rank: the one-process baseline on one thread too
+    job = parity_job(tp, dp, sp, model_overrides(), batch, seqlen, seed=0, lr=1e-3, steps=steps + 1)
+    rs = RankStep(job, parity_state(job, world), "cpu", grad_accum=1)
     times = []
     for step in range(steps + 1):
-        ids, labels, _ = global_batch(step, batch, seqlen, cfg.vocab_size)
-        n = int((labels != -100).sum())
-        ids, labels, cu = local_rows(ids, labels, dp_rank, dp)
         if world > 1:
             dist.barrier()
         t0 = time.perf_counter()
-        out = model(ids, labels=labels, cu_seqlens=cu)
-        (out.loss_sum / n).backward()
-        sync_partial_grads(model, plan, tp_group)
-        opt.reduce_gradients()
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
+        parity_step(rs, step, steps + 1, batch, seqlen)
         if world > 1:
             dist.barrier()
         if step:  # the first step pays one-time costs
             times.append(time.perf_counter() - t0)
-    sharded = sum(p.numel() for n, p in model.named_parameters() if plan.shard_dim.get(canonical_name(n)) is not None)
-    replicated = sum(p.numel() for n, p in model.named_parameters() if plan.shard_dim.get(canonical_name(n)) is None)
-    rep = opt.memory_report()
+    dims = rs.plan.tp_shard_dim
+    params = [(canonical_name(n), p.numel()) for n, p in rs.model.named_parameters()]
+    sharded = sum(k for n, k in params if dims.get(n) is not None)
+    replicated = sum(k for n, k in params if dims.get(n) is None)
+    rep = rs.optimizer.memory_report()
     return {"rank": rank, "param_bytes": 4 * (sharded + replicated), "sharded_local": sharded,
             "replicated": replicated, "optimizer_bytes": rep["main_param_bytes"] + rep["optimizer_state_bytes"],
             "state_expected_total": rep.get("expected_state_bytes"), "step_s": statistics.median(times)}

@@ -111,7 +111,8 @@ def _step_bench(rank, world, flag_name, pp, reps, seqlen, block=1):
     torch.set_num_threads(1)
     from megak3.train.step import RankStep, all_reduce_sum
     from parallel.data_parallel import build_sharded_optimizer
-    from parallel.parity import global_batch, local_rows, parity_job
+    from parallel.testing import global_batch, local_rows
+    from megak3.train.parity import parity_job
     from parallel.state import init_parallel
 
     dp = world // pp

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megak3.config import load_model_config  # noqa: E402
 from megak3.inference import Engine, SamplingParams  # noqa: E402
 from megak3.model.k3 import build_model  # noqa: E402
-from parallel.parity import PARITY_MODEL  # noqa: E402
+from parallel.testing import PARITY_MODEL  # noqa: E402
 
 
 def make_trace(args, vocab: int):

@@ -3,7 +3,8 @@
     PYTHONPATH=. python tools/bench_qat.py [--steps 30] [--seq-len 128] [--batch 4]
 
 Two training runs in one process, same seed, same batches, same optimizer and schedule (Muon +
-AdamW, warmup + cosine, Quantile Balancing, grad clip; the loop mirrors the trainer's step):
+AdamW, warmup + cosine, Quantile Balancing, grad clip; every step is the trainer's production step,
+megak3.train.step.RankStep.accumulate / apply):
 full precision, and quant.qat=mxfp4_experts (MXFP4 expert weights, MXFP8 expert GEMM inputs, OCP
 floor scales). Printed:
 
@@ -29,12 +30,12 @@ from megak3.data.config import DataConfig, resolve_dataset  # noqa: E402
 from megak3.data.indexed import IndexedDataset  # noqa: E402
 from megak3.data.packing import Batcher, PackedDataset  # noqa: E402
 from megak3.data.tokenizer import load_tokenizer  # noqa: E402
-from megak3.model.balancing import QBAccumulator, resolve_qb_method  # noqa: E402
-from megak3.model.k3 import build_model  # noqa: E402
-from megak3.optim import OptimConfig, build_optimizer, lr_at, set_lr  # noqa: E402
-from megak3.quant import QuantConfig, apply_quantization  # noqa: E402
+from megak3.optim import OptimConfig  # noqa: E402
+from megak3.quant import QuantConfig  # noqa: E402
 from megak3.quant.mx import fake_quant  # noqa: E402
 from megak3.quant.qat import expert_modules  # noqa: E402
+from megak3.job.config import JobConfig, TrainConfig  # noqa: E402
+from megak3.train.step import build_rank  # noqa: E402
 
 
 def weight_errors(model, mode: str) -> float:
@@ -74,17 +75,21 @@ def load_batches(args):
     return [next(train) for _ in range(args.steps)], [b for _, b in zip(range(args.eval_batches), valid)]
 
 
+def job_for(args, qcfg: QuantConfig) -> JobConfig:
+    """k3_tiny (vision off), fp32 on the CPU, one micro-batch of ``--batch`` rows a step."""
+    return JobConfig(
+        model=load_model_config("k3_tiny", **{"vision.enabled": False}),
+        data=DataConfig(seq_len=args.seq_len),
+        optim=OptimConfig(lr=args.lr, warmup_steps=max(1, args.steps // 10)),
+        train=TrainConfig(max_steps=args.steps, global_batch_size=args.batch, micro_batch_size=args.batch,
+                          seed=args.seed, device="cpu", precision="fp32"),
+        quant=qcfg)
+
+
 def run(args, qcfg: QuantConfig, label: str, train_batches, valid_batches):
     torch.manual_seed(args.seed)
-    cfg = load_model_config("k3_tiny", **{"vision.enabled": False})
-    model = build_model(cfg, seed=args.seed)
-    apply_quantization(model, qcfg)       # after build, before the optimizer (the trainer wiring)
-    ocfg = OptimConfig(lr=args.lr, warmup_steps=max(1, args.steps // 10))
-    opt = build_optimizer(model, ocfg)
-    moe = model.moe_layers()
-    qb = [QBAccumulator(cfg.moe.num_experts, cfg.moe.top_k,
-                        resolve_qb_method(cfg.moe.qb_method, args.batch * args.seq_len, cfg.moe.num_experts),
-                        cfg.moe.qb_bins) for _ in moe]
+    rs = build_rank(job_for(args, qcfg))  # one process: the trainer's model, QAT hooks, optimizer, QB
+    model = rs.model
     recorders = []
     if qcfg.qat != "none":
         for ex in expert_modules(model):
@@ -92,24 +97,14 @@ def run(args, qcfg: QuantConfig, label: str, train_batches, valid_batches):
             recorders.append(ex)
     losses, act, t0 = [], None, time.perf_counter()
     for step, b in enumerate(train_batches):
-        out = model(b["input_ids"], labels=b["labels"], cu_seqlens=b["cu_seqlens"])
-        out.loss.backward()
-        losses.append(out.loss.item())
+        rec = rs.accumulate([b])
+        losses.append(float(rec["loss_sum"]) / float(rec["step_tokens"]))
         if step == 0 and recorders:       # activations of the first real batch, then stop recording
             act = {k: (sum(ex.act_quant.sq[k][0] for ex in recorders)
                        / sum(ex.act_quant.sq[k][1] for ex in recorders)) ** 0.5 for k in ("z", "h")}
             for ex in recorders:
                 ex.act_quant = ex.act_quant.inner
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], ocfg.grad_clip)
-        set_lr(opt, lr_at(step, ocfg, args.steps))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        with torch.no_grad():             # Quantile Balancing, once per step as in the trainer
-            for acc, layer, st in zip(qb, moe, out.moe_stats):
-                bias = layer.gate.e_score_correction_bias
-                acc.add(st.scores_TE, bias)
-                bias.copy_(acc.solve(bias))
-                acc.reset()
+        rs.apply(step, args.steps)        # clip, Muon/AdamW at the step's LR, Quantile Balancing
     dt = (time.perf_counter() - t0) / len(train_batches)
     model.eval()
     with torch.no_grad():
@@ -135,7 +130,8 @@ def main(argv=None) -> int:
     train_batches, valid_batches = load_batches(args)
     _, fp, fp_val, fp_dt, _ = run(args, QuantConfig(), "fp32", train_batches, valid_batches)
     q_model, q, q_val, q_dt, act = run(args, QuantConfig(qat="mxfp4_experts"), "qat", train_batches, valid_batches)
-    init = build_model(load_model_config("k3_tiny", **{"vision.enabled": False}), seed=args.seed)
+    torch.manual_seed(args.seed)
+    init = build_rank(job_for(args, QuantConfig())).model  # both runs' initial weights
     print("MXFP4 expert weights  ||fq(W)-W||/||W||:")
     for mode in ("floor", "rceil"):
         print(f"  {mode:5s} init {weight_errors(init, mode):.4f}   after QAT {weight_errors(q_model, mode):.4f}")

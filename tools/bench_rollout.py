@@ -9,7 +9,7 @@ fraction x0.69 (65% -> 45%), wall time per trained sample x1.40 (the partial mod
 updates, each paying the fixed cost of an update and a refit).
 
 Both modes run the real loop (megak3/posttrain/rl.py: engine rollouts, RankStep update, refit) on the
-same tiny random K3 (parallel.parity's PARITY_MODEL widths) with the same prompts and per-sample budgets;
+same tiny random K3 (parallel.testing's PARITY_MODEL widths) with the same prompts and per-sample budgets;
 every sample runs to its budget (ignore_eos), so the lengths are exactly the drawn distribution: most
 samples ``--short`` tokens, a ``--long-fraction`` of them ``--long`` tokens. Each mode trains until
 ``--samples`` samples have been trained on. The synchronous mode (lambda = 1) waits for every sample of
@@ -38,7 +38,7 @@ def run_mode(lam: float, args, tok) -> dict:
     from megak3.optim.config import OptimConfig
     from megak3.posttrain.rl import RLConfig, RLRunner
     from megak3.job.config import JobConfig, TrainConfig
-    from parallel.parity import PARITY_MODEL
+    from parallel.testing import PARITY_MODEL
 
     job = JobConfig(model=load_model_config("k3_tiny", **PARITY_MODEL), data=DataConfig(vocab_size=512),
                     optim=OptimConfig(lr=1e-3, warmup_steps=0, min_lr_ratio=1.0),

@@ -6,7 +6,7 @@
 Layout code: <tp><n|s><dp> (n: no sequence parallelism, s: sequence parallelism). For each layout it
 prints the relative L2 error of all step-0 gradients, the worst single parameter, the step-0 loss
 difference and the largest loss difference over the trajectory. Same routine as
-tests/test_parity_tp.py (parallel.parity.run_steps on the parity model).
+tests/test_parity_tp.py (megak3.train.parity.run_steps on the parity model).
 """
 import argparse
 import sys
@@ -24,8 +24,8 @@ def main(argv=None):
     import torch
 
     torch.set_num_threads(1)
-    from parallel.parity import PARITY_MODEL, run_steps
-    from parallel.testing import run_distributed
+    from megak3.train.parity import run_steps
+    from parallel.testing import PARITY_MODEL, run_distributed
 
     ref = run_steps(0, 1, 1, 1, False, args.steps, PARITY_MODEL, lr=args.lr)
     for code in args.layouts.split(","):

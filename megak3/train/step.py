@@ -4,7 +4,7 @@
 :class:`parallel.plan.ParallelPlan`), materialises only this rank's shards, and wires the pipeline
 engine, QAT hooks, the ZeRO-1 optimizer and the Quantile-Balancing accumulators.
 :class:`RankStep` is the step the trainer runs and the layout-parity harness
-(:mod:`parallel.parity`) runs too:
+(:mod:`megak3.train.parity`) runs too:
 
     accumulate(micro_batches)   forward/backward of the step's micro-batches (or the pipeline
                                 schedule), TP partial-gradient sums; device tensors out, no host sync

@@ -93,7 +93,7 @@ def traced_step(rank, world, m, schedule, layers, seqlen, steps, layout, vp=1, s
     model_overrides: k3_tiny fields on top of the parity widths (e.g. {"attn_res_block_size": 64})."""
     from megak3.config import load_model_config
     from megak3.model.k3 import build_model
-    from parallel.parity import PARITY_MODEL, global_batch, local_rows
+    from parallel.testing import PARITY_MODEL, global_batch, local_rows
     from parallel.pipeline import PipelineEngine, keep_stage, rank_chunks
 
     torch.set_num_threads(1)

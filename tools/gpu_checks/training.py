@@ -48,7 +48,7 @@ def _training_shape(dev, quick):
     """(model, overrides, seq_len, micro-batch, precision): k3_mini on CUDA, the parity model on CPU."""
     if dev.type == "cuda":
         return "k3_mini", {}, (2048 if quick else 4096), (1 if quick else 2), "bf16"
-    from parallel.parity import PARITY_MODEL
+    from parallel.testing import PARITY_MODEL
 
     return "k3_tiny", dict(PARITY_MODEL), 32, 2, "fp32"
 

@@ -1,6 +1,6 @@
 """Multi-rank test harness: run one function on N ranks, each in its own process, and collect results;
 and the deterministic fixtures of the layout tests (:data:`PARITY_MODEL`, :func:`global_batch`,
-:func:`local_rows`), shared by megak3/train/parity.py, parallel/pipeline/trace.py, tests and tools.
+:func:`local_rows`), shared by megak3/train/parity.py, parallel/pipeline_trace.py, tests and tools.
 
     def _sum(rank, world_size, scale):          # module level: it is pickled by reference
         t = torch.tensor([float(rank)]) * scale

@@ -173,7 +173,7 @@ def test_executed_order_is_the_schedule_and_its_bubble_the_theory():
     ideal clock (unit op times) that order's bubble is the closed form, (p-1)/(m+p-1) for 1F1B and
     (p-1)/(3m+p-1) for ZB-H1 (p = 2, m = 4). Simulator timestamps, not wall-clock sleeps."""
     from parallel.pipeline.schedules import Action, build_schedule, closed_form_bubble, simulate, splits_weight_grad
-    from parallel.pipeline.trace import BUSY, traced_step
+    from parallel.pipeline_trace import BUSY, traced_step
 
     got = {}
     for schedule, want in (("1f1b", 1 / 5), ("zb_h1", 1 / 13)):
@@ -190,7 +190,7 @@ def test_executed_order_is_the_schedule_and_its_bubble_the_theory():
 def test_1f1b_holds_at_most_p_micro_batches():
     """Measured by the engine's activation meter (saved tensors): AFAB's peak is m micro-batches
     of activations on every rank, 1F1B's is p - r on rank r (first stage: p)."""
-    from parallel.pipeline.trace import traced_step
+    from parallel.pipeline_trace import traced_step
 
     p, m = 2, 4
     peak = {s: [r["peak_bytes"] for r in run_distributed(traced_step, p, m, s, 4, 32, 1, None, 1, None, True,

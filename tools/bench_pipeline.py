@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from parallel.pipeline.trace import traced_step  # noqa: E402
+from parallel.pipeline_trace import traced_step  # noqa: E402
 
 MiB = 2 ** 20
 

@@ -10,7 +10,7 @@ the last op of any rank); the printed figure is the mean over ranks. Two theorie
 closed form ((p-1)/(m+p-1) for 1F1B, (p-1)/(vp*m+p-1) interleaved, (p-1)/(3m+p-1) for ZB-H1 with
 equal F/B/W) and the event simulation of the same action lists with each rank's measured mean op
 times and free communication (schedules.simulate), which also covers unequal op times and stages. ``--synthetic`` runs
-balanced sleeping layers (parallel/pipeline/trace.py) instead of k3_tiny, whose stages are not
+balanced sleeping layers (parallel/pipeline_trace.py) instead of k3_tiny, whose stages are not
 exactly balanced (the last one also runs lm_head + loss) and whose ranks share this machine's cores.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from parallel.pipeline.schedules import SCHEDULES, closed_form_bubble, theoretical_bubble  # noqa: E402
-from parallel.pipeline.trace import bubble, mean_op_times, traced_step  # noqa: E402
+from parallel.pipeline_trace import bubble, mean_op_times, traced_step  # noqa: E402
 
 
 def draw(traces, t0, path, title):

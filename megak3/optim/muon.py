@@ -20,7 +20,7 @@ Block rule, one per parameter, stored in ``group["heads"]`` (a list parallel to
 The momentum buffer (``state[p]["momentum_buffer"]``) has the gradient's dtype, as in Moonlight.
 
 Collectives: the one exception to "optimizer and model math hold none" (docs/PARALLEL.md). A
-whole-matrix parameter declared a TP shard with :meth:`Muon.set_tp_shard` (parallel/data_parallel.py
+whole-matrix parameter declared a TP shard with :meth:`Muon.set_tp_shard` (parallel/data_parallel/
 does) has its update all-gathered over the given group, orthogonalised whole and sliced back:
 Newton-Schulz needs the full matrix, and only this optimizer knows when in its step that is.
 """

@@ -7,7 +7,7 @@ Memory per rank (bytes; the rank of the pipeline stage that needs the most), as 
              (fp32 as the trainer runs: bf16 autocast over fp32 master weights)
   grads      one gradient per local param (param dtype), accumulated over the step's micro-batches
   main       fp32 main copies of the params this rank OWNS under ZeRO-1 (0 when params are fp32:
-             parallel/data_parallel.py then uses the param itself as the main copy)
+             parallel/data_parallel/ then uses the param itself as the main copy)
   optimizer  owned share (1/dp of dense, 1/edp of expert params; without EP the experts are on the
              dp group) of Muon momentum (4 B/elem) and AdamW exp_avg + exp_avg_sq (8 B/elem); the
              average share (per_rank_figures has a given rank's whole-parameter ownership)
@@ -29,7 +29,7 @@ Memory per rank (bytes; the rank of the pipeline stage that needs the most), as 
   qb_stats   Quantile-Balancing statistics of the stage's MoE layers (qb_figures): histogram
              int64 [E, bins] per layer, or the exact method's fp32 margins of the rank's tokens of the
              step [T_rank, E] per layer + at the step end one layer's gathered [T_group, E] twice
-  comm       ZeRO-1 bucket (fp32 reduce-scatter buffer of dp segments, parallel/data_parallel.py)
+  comm       ZeRO-1 bucket (fp32 reduce-scatter buffer of dp segments, parallel/data_parallel/)
   backward transient: the largest single module's saved bytes again (its input gradients)
   peak       params + main + optimizer + QB stats + MoonEP replica buffers + comm + the working set:
              activations (+ grads when the step accumulates several micro-batches; with one, grads

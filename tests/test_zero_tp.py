@@ -107,13 +107,13 @@ def write_checkpoint(root, step: int, model: dict, optim: dict, common: dict) ->
     return Path(root) / atomic.step_dirname(step)
 
 
-def zero_train(rank, world, tp, dp, steps, sp=False, load=None, save=None, fresh_optimizer=False,
-               consolidate=False):
+def zero_train(rank, world, tp, dp, steps, sp=False, load=None, save=None, save_step=None,
+               fresh_optimizer=False, consolidate=False):
     """Train ``steps`` (step indices) with the production RankStep at tp×dp; returns losses, grad
     norms and the norm rule's value for each step (rank 0). ``load``: a checkpoint directory read
     through ``TrainCheckpoint.load`` first (``fresh_optimizer``: then the optimizer state dropped);
-    ``save``: a root the state after the last step is saved under with ``TrainCheckpoint.save``
-    (its directory returned as ``path``). ``consolidate``: also every rank's exported optimizer state
+    ``save``: a root the state after ``save_step`` steps (default: after the last) is saved under
+    with ``TrainCheckpoint.save`` (its directory returned as ``path``). ``consolidate``: also every rank's exported optimizer state
     before the first step and the TP shard dims."""
     job = parity_job(tp, dp, sp, MODEL, BATCH, SEQLEN, SEED, LR, STEPS)
     rs = RankStep(job, parity_state(job, world), "cpu", grad_accum=1)
@@ -126,36 +126,42 @@ def zero_train(rank, world, tp, dp, steps, sp=False, load=None, save=None, fresh
     if consolidate:
         out["optim0"] = rs.optimizer.export_state(canonical=True)
         out["tp_shard_dims"] = {n: d for n, d in rs.plan.tp_shard_dim.items() if d is not None}
+    save_step = steps[-1] + 1 if save_step is None else save_step
     for step in steps:
         r = parity_step(rs, step, STEPS, BATCH, SEQLEN, grads=True)
         out["rule_norms"].append(rule_norm(r["grads"]))
         out["grad_norms"].append(r["grad_norm"])
         out["losses"].append(r["loss"])
-    if save is not None:
-        train_checkpoint(rs, save).save(steps[-1] + 1)
-        out["path"] = str(Path(save) / atomic.step_dirname(steps[-1] + 1))
+        if save is not None and step + 1 == save_step:
+            train_checkpoint(rs, save).save(save_step)
+            out["path"] = str(Path(save) / atomic.step_dirname(save_step))
     if consolidate:
         return out
     return out if rank == 0 else None
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return zero_train(0, 1, 1, 1, range(STEPS))
+def runs(tmp_path_factory):
+    """4 steps at tp2×dp2 and single-process, each saving its state after step 2 with TrainCheckpoint."""
+    root = tmp_path_factory.mktemp("zero_tp")
+    ranks = run_distributed(zero_train, 4, 2, 2, range(STEPS), save=str(root / "tp2dp2"), save_step=2,
+                            consolidate=True, timeout_s=300)
+    single = zero_train(0, 1, 1, 1, range(STEPS), save=str(root / "single"), save_step=2, consolidate=True)
+    return ranks, [single]
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """2 steps at tp2×dp2, saved by TrainCheckpoint and read back whole; and the same 2 steps
-    single-process."""
-    root = tmp_path_factory.mktemp("zero_tp")
-    ranks = run_distributed(zero_train, 4, 2, 2, range(2), save=str(root / "tp2dp2"), consolidate=True,
-                            timeout_s=300)
-    single = zero_train(0, 1, 1, 1, range(2), save=str(root / "single"), consolidate=True)
+def reference(runs):
+    return runs[1][0]
+
+
+@pytest.fixture(scope="module")
+def saved(runs):
+    """The states saved after 2 steps at tp2×dp2 and single-process, read back whole."""
     out = []
-    for run in (ranks, [single]):
-        model_state, opt_state, _ = checkpoint_state(run[0]["path"])
-        out.append({**run[0], "model_state": model_state, "opt_state": opt_state,
+    for run in runs:
+        model_state, opt_state, common = checkpoint_state(run[0]["path"])
+        out.append({**run[0], "model_state": model_state, "opt_state": opt_state, "common": common,
                     "optim0": [r["optim0"] for r in run]})
     return tuple(out)
 
@@ -164,8 +170,8 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def test_tp2_dp2_matches_single_process(reference):
-    got = run_distributed(zero_train, 4, 2, 2, range(STEPS), timeout_s=300)[0]
+def test_tp2_dp2_matches_single_process(runs, reference):
+    got = runs[0][0]
     print("loss diff", [abs(a - b) for a, b in zip(got["losses"], reference["losses"])])
     print("norm rel diff", [abs(a - b) / b for a, b in zip(got["grad_norms"], reference["grad_norms"])])
     print("rule rel diff", [abs(a - b) / b for a, b in zip(got["grad_norms"], got["rule_norms"])])
@@ -243,7 +249,7 @@ def test_incompatible_checkpoints_are_rejected(saved, tmp_path):
     optimizer state has another shape (a TP shard saved as the whole tensor), and one whose param was
     optimised by the other optimizer; a directory that is no checkpoint is a CheckpointError. The
     unedited state, written the same way, loads."""
-    model, full, common = checkpoint_state(saved[0]["path"])
+    model, full, common = saved[0]["model_state"], saved[0]["opt_state"], saved[0]["common"]
     job = parity_job(1, 1, False, MODEL, BATCH, SEQLEN, SEED, LR, STEPS)
     ck = train_checkpoint(RankStep(job, ParallelState.single(), "cpu", grad_accum=1), tmp_path / "own")
     name = next(n for n, d in saved[0]["tp_shard_dims"].items() if full["state"][n])

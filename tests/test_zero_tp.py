@@ -110,10 +110,11 @@ def write_checkpoint(root, step: int, model: dict, optim: dict, common: dict) ->
 def zero_train(rank, world, tp, dp, steps, sp=False, load=None, save=None, save_step=None,
                fresh_optimizer=False, consolidate=False):
     """Train ``steps`` (step indices) with the production RankStep at tp×dp; returns losses, grad
-    norms and the norm rule's value for each step (rank 0). ``load``: a checkpoint directory read
-    through ``TrainCheckpoint.load`` first (``fresh_optimizer``: then the optimizer state dropped);
-    ``save``: a root the state after ``save_step`` steps (default: after the last) is saved under
-    with ``TrainCheckpoint.save`` (its directory returned as ``path``). ``consolidate``: also every rank's exported optimizer state
+    norms and the norm rule's value for each step (rank 0; every rank with ``consolidate``).
+    ``load``: a checkpoint directory read through ``TrainCheckpoint.load`` first
+    (``fresh_optimizer``: then the optimizer state dropped); ``save``: a root the state after
+    ``save_step`` steps (default: after the last) is saved under with ``TrainCheckpoint.save`` (its
+    directory returned as ``path``); ``consolidate``: also this rank's exported optimizer state
     before the first step and the TP shard dims."""
     job = parity_job(tp, dp, sp, MODEL, BATCH, SEQLEN, SEED, LR, STEPS)
     rs = RankStep(job, parity_state(job, world), "cpu", grad_accum=1)

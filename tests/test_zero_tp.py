@@ -108,13 +108,13 @@ def write_checkpoint(root, step: int, model: dict, optim: dict, common: dict) ->
 
 
 def zero_train(rank, world, tp, dp, steps, sp=False, load=None, save=None, save_step=None,
-               fresh_optimizer=False, consolidate=False):
+               fresh_optimizer=False, start_state=False):
     """Train ``steps`` (step indices) with the production RankStep at tp×dp; returns losses, grad
-    norms and the norm rule's value for each step (rank 0; every rank with ``consolidate``).
+    norms and the norm rule's value for each step (rank 0; every rank with ``start_state``).
     ``load``: a checkpoint directory read through ``TrainCheckpoint.load`` first
     (``fresh_optimizer``: then the optimizer state dropped); ``save``: a root the state after
     ``save_step`` steps (default: after the last) is saved under with ``TrainCheckpoint.save`` (its
-    directory returned as ``path``); ``consolidate``: also this rank's exported optimizer state
+    directory returned as ``path``); ``start_state``: also this rank's exported optimizer state
     before the first step and the TP shard dims."""
     job = parity_job(tp, dp, sp, MODEL, BATCH, SEQLEN, SEED, LR, STEPS)
     rs = RankStep(job, parity_state(job, world), "cpu", grad_accum=1)
@@ -124,7 +124,7 @@ def zero_train(rank, world, tp, dp, steps, sp=False, load=None, save=None, save_
         if fresh_optimizer:
             for o in rs.optimizer.optimizers:
                 o.state.clear()
-    if consolidate:
+    if start_state:
         out["optim0"] = rs.optimizer.export_state(canonical=True)
         out["tp_shard_dims"] = {n: d for n, d in rs.plan.tp_shard_dim.items() if d is not None}
     save_step = steps[-1] + 1 if save_step is None else save_step
@@ -136,7 +136,7 @@ def zero_train(rank, world, tp, dp, steps, sp=False, load=None, save=None, save_
         if save is not None and step + 1 == save_step:
             train_checkpoint(rs, save).save(save_step)
             out["path"] = str(Path(save) / atomic.step_dirname(save_step))
-    if consolidate:
+    if start_state:
         return out
     return out if rank == 0 else None
 
@@ -146,8 +146,8 @@ def runs(tmp_path_factory):
     """4 steps at tp2×dp2 and single-process, each saving its state after step 2 with TrainCheckpoint."""
     root = tmp_path_factory.mktemp("zero_tp")
     ranks = run_distributed(zero_train, 4, 2, 2, range(STEPS), save=str(root / "tp2dp2"), save_step=2,
-                            consolidate=True, timeout_s=300)
-    single = zero_train(0, 1, 1, 1, range(STEPS), save=str(root / "single"), save_step=2, consolidate=True)
+                            start_state=True, timeout_s=300)
+    single = zero_train(0, 1, 1, 1, range(STEPS), save=str(root / "single"), save_step=2, start_state=True)
     return ranks, [single]
 
 

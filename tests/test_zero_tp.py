@@ -276,5 +276,5 @@ def test_incompatible_checkpoints_are_rejected(saved, tmp_path):
     wrong = {**full["optimizer"], name: "adamw" if full["optimizer"][name] == "muon" else "muon"}
     with pytest.raises(ValueError, match=f"'{name}' was optimised by"):
         load(model, {**full, "optimizer": wrong})
-    with pytest.raises(CheckpointError):
+    with pytest.raises(CheckpointError, match="manifest.json is missing"):
         ck.load(tmp_path / "no_checkpoint")

@@ -15,10 +15,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megak3.checkpoint import atomic
+from megak3.checkpoint.train_state import TrainCheckpoint
 from megak3.model.norm import RMSNorm
 from megak3.optim import OptimConfig, build_optimizer, lr_at, set_lr
 from parallel import testing
-from parallel.data_parallel import ShardedOptimizer, assign_owners, load_consolidated_state, plan_buckets
+from parallel.data_parallel import ShardedOptimizer, assign_owners, plan_buckets
+from parallel.grid import Layout
+from parallel.plan import ParallelPlan, Shard, canonical_name
+from parallel.state import ParallelState
 
 STEPS = 4
 CFG = OptimConfig(lr=2e-2, warmup_steps=1, schedule="cosine", grad_clip=0.05)
@@ -431,76 +436,115 @@ def test_gloo_processes(tmp_path):
         assert got["norms"] == pytest.approx(ref_norms, rel=1e-6)
 
 
-def test_canonical_export_round_trip_single_process():
-    """export_state -> load_consolidated_state on a fresh optimizer resumes bit-exactly; before the
-    first step every param is exported with empty state; a wrong state is a ValueError."""
+class NoData:
+    """The batcher position a TrainCheckpoint saves (these tests pick their batches by step)."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        assert state == {}
+
+
+def checkpoint_for(model, opt, root, ps=None, tp_dim=None) -> TrainCheckpoint:
+    """The trainer's checkpoint adapter for ``model`` / ``opt`` on ``ps`` (one process by default),
+    with a plan whose boxes split each param in ``tp_dim`` (canonical name -> dim) into ``ps.tp_size``
+    chunks, chunk ``ps.tp_rank`` held here, and hold every other tensor whole."""
+    ps = ps or ParallelState.single()
+    tensors = {}
+    for n, t in model.state_dict().items():
+        n, shape, dim = canonical_name(n), tuple(t.shape), (tp_dim or {}).get(canonical_name(n))
+        if dim is None:
+            tensors[n] = Shard(shape, (0,) * len(shape), shape)
+        else:
+            full = tuple(s * ps.tp_size if d == dim else s for d, s in enumerate(shape))
+            offsets = tuple(s * ps.tp_rank if d == dim else 0 for d, s in enumerate(shape))
+            tensors[n] = Shard(full, offsets, shape, axis="tp", dim=dim)
+    plan = ParallelPlan(ps=ps, sequence_parallel=False, tensors=tensors)
+    return TrainCheckpoint(root, model, opt, plan, ps, NoData(), "cpu", {"tp": ps.tp_size}, {})
+
+
+def train_tiny(model, opt, batches, steps):
+    fp32_newton_schulz(opt)
+    for step in steps:
+        ids, labels = batches[step]
+        (tiny_loss_sum(model, ids, labels) / (labels != -100).sum()).backward()
+        opt.reduce_gradients()
+        opt.clip_grad_norm_(CFG.grad_clip)
+        set_lr(opt, lr_at(step, CFG, STEPS))
+        opt.step()
+        opt.zero_grad()
+    return snapshot(model)
+
+
+def test_checkpoint_round_trip_single_process(tmp_path):
+    """TrainCheckpoint.save after 2 steps -> TrainCheckpoint.load into a fresh model and optimizer
+    resumes bit-exactly; before the first step every param is exported with empty state, and loading
+    a checkpoint saved then empties the optimizer again; a checkpoint of another model (a larger
+    vocabulary) is a ValueError naming the tensor."""
     base = tiny_model()
     batches = make_batches(64, rows=2, seq=8, steps=STEPS)
-
-    def train(model, opt, steps):
-        fp32_newton_schulz(opt)
-        for step in steps:
-            ids, labels = batches[step]
-            (tiny_loss_sum(model, ids, labels) / (labels != -100).sum()).backward()
-            opt.reduce_gradients()
-            opt.clip_grad_norm_(CFG.grad_clip)
-            set_lr(opt, lr_at(step, CFG, STEPS))
-            opt.step()
-            opt.zero_grad()
-        return snapshot(model)
-
     model = copy.deepcopy(base)
     opt = ShardedOptimizer(model, CFG, None)
     empty = opt.export_state()
     assert set(empty["state"]) == {s.name for s in opt.specs} and all(v == {} for v in empty["state"].values())
+    checkpoint_for(model, opt, tmp_path).save(0)
     ref_model = copy.deepcopy(base)
-    ref = train(ref_model, ShardedOptimizer(ref_model, CFG, None), range(STEPS))
-    train(model, opt, range(2))
-    saved, saved_model = opt.export_state(), copy.deepcopy(model.state_dict())
-    resumed = copy.deepcopy(base)
-    resumed.load_state_dict(saved_model)
+    ref = train_tiny(ref_model, ShardedOptimizer(ref_model, CFG, None), batches, range(STEPS))
+    train_tiny(model, opt, batches, range(2))
+    checkpoint_for(model, opt, tmp_path).save(2)
+    resumed = tiny_model(seed=1)  # other weights: everything comes from the checkpoint
     opt2 = ShardedOptimizer(resumed, CFG, None)
-    load_consolidated_state(opt2, saved, None)
-    assert max_rel_diff(train(resumed, opt2, range(2, STEPS)), ref) == 0.0
-    load_consolidated_state(opt2, empty, None)  # back to "never stepped"
+    ck2 = checkpoint_for(resumed, opt2, tmp_path)
+    assert ck2.load(tmp_path / atomic.step_dirname(2))["step"] == 2
+    assert max_rel_diff(train_tiny(resumed, opt2, batches, range(2, STEPS)), ref) == 0.0
+    ck2.load(tmp_path / atomic.step_dirname(0))  # back to "never stepped"
     assert not opt2.muon.state and not opt2.adamw.state
-    bad = {**saved, "state": {**saved["state"], "lm_head.weight": {"exp_avg": torch.zeros(3)}}}
-    with pytest.raises(ValueError, match="has shape"):
-        load_consolidated_state(opt2, bad, None)
+    torch.manual_seed(0)
+    other = TinyLM(vocab=128)
+    checkpoint_for(other, ShardedOptimizer(other, CFG, None), tmp_path / "other").save(1)
+    with pytest.raises(ValueError, match="embed_tokens.weight has shape .* different model config"):
+        ck2.load(tmp_path / "other" / atomic.step_dirname(1))
 
 
-def test_load_consolidated_state_slices_full_tensors_to_the_tp_shard():
-    """With the TP shard dims, each TP rank takes chunk tp_rank of every sharded state tensor (here
-    a vocab-parallel AdamW embedding, dim 0, and a row-parallel Muon o_proj, dim 1); replicated
-    params and scalars are taken whole. Without them a full tensor is a shape error."""
-    base = tiny_model()
-    opt = ShardedOptimizer(base, CFG, None)
+def test_checkpoint_load_reads_each_tp_rank_its_box(tmp_path):
+    """A checkpoint saved in one process (vocabulary 128) loads on 2 TP ranks whose plan splits the
+    vocab-parallel embedding and lm_head along dim 0 (vocabulary 64 each): each rank's model tensors
+    and the optimizer state of the params it owns are chunk tp_rank of the saved ones; replicated
+    params and scalars are taken whole."""
+    torch.manual_seed(0)
+    full_model = TinyLM(vocab=128)
+    opt = ShardedOptimizer(full_model, CFG, None)
     fp32_newton_schulz(opt)
-    ids, labels = make_batches(64, rows=2, seq=8, steps=1)[0]
-    (tiny_loss_sum(base, ids, labels) / (labels != -100).sum()).backward()
+    ids, labels = make_batches(128, rows=2, seq=8, steps=1)[0]
+    (tiny_loss_sum(full_model, ids, labels) / (labels != -100).sum()).backward()
     opt.reduce_gradients()
     set_lr(opt, lr_at(0, CFG, STEPS))
     opt.step()
-    saved = opt.export_state()
-    dims = {"embed_tokens.weight": 0, "layers.0.self_attn.o_proj.weight": 1}
-    shard_dim = {n: dims.get(n) for n in saved["state"]}
-    full = {**saved, "state": {n: {k: torch.cat([v, v + 1], dims[n]) if n in dims and v.ndim else v
-                                   for k, v in st.items()} for n, st in saved["state"].items()}}
+    checkpoint_for(full_model, opt, tmp_path).save(1)
+    saved, saved_model = opt.export_state()["state"], copy.deepcopy(full_model.state_dict())
+    dims = {"embed_tokens.weight": 0, "lm_head.weight": 0}
 
     def load(rank, group):
-        o = ShardedOptimizer(copy.deepcopy(base), CFG, None)
-        o.set_tensor_parallel(group, shard_dim)
-        load_consolidated_state(o, full, shard_dim)
-        with pytest.raises(ValueError, match="has shape"):
-            load_consolidated_state(ShardedOptimizer(copy.deepcopy(base), CFG, None), full)
-        return o.export_state()["state"]
+        model = tiny_model(seed=1)
+        o = ShardedOptimizer(model, CFG, None)
+        o.set_tensor_parallel(group, {s.name: dims.get(s.name) for s in o.specs})
+        ps = ParallelState(layout=Layout(world_size=2, tp=2), rank=rank, world_size=2, tp_group=group,
+                           tp_size=2, tp_rank=rank)
+        checkpoint_for(model, o, tmp_path, ps, dims).load(tmp_path / atomic.step_dirname(1))
+        return o.export_state()["state"], copy.deepcopy(model.state_dict())
 
-    for rank, got in enumerate(run_threaded(2, load)):
-        for n, st in saved["state"].items():
+    for rank, (got, got_model) in enumerate(run_threaded(2, load)):
+        assert got_model.keys() == saved_model.keys()
+        for n, v in saved_model.items():
+            want = v.chunk(2, dims[n])[rank] if n in dims else v
+            assert torch.equal(got_model[n], want), (rank, n)
+        for n, st in saved.items():
             assert got[n].keys() == st.keys() and st, n
             for k, v in st.items():
-                want = v + rank if n in dims and v.ndim else v
+                want = v.chunk(2, dims[n])[rank] if n in dims and v.ndim else v
                 assert torch.equal(torch.as_tensor(got[n][k]), torch.as_tensor(want)), (rank, n, k)
+    assert any(n in dims for n in saved) and any(n not in dims for n in saved)
 
 
 def test_norm_partition_sums_squares_over_ranks_holding_different_params():

@@ -169,6 +169,10 @@ class TrainCheckpoint:
             sh = plan.tensors[n]
             local = {k: v.clone() if torch.is_tensor(v) else v for k, v in meta[n]["scalars"].items()}
             for key in state_keys.get(n, ()):
+                if tuple(reader.global_shape(key)) != sh.global_shape:
+                    raise ValueError(f"checkpoint {path}: {key!r} has shape {tuple(reader.global_shape(key))}, "
+                                     f"this model's {n!r} is {sh.global_shape}; it was saved from another model "
+                                     "config (or holds a TP shard as the full tensor)")
                 v = reader.read(key, sh.offsets, sh.local_shape)
                 nbytes += v.numel() * v.element_size()
                 if v.shape != m.shape:

@@ -56,8 +56,8 @@ def _host_value(key: str, v, pin: bool):
 
 class _HostState(defaultdict):
     """``Optimizer.state`` that moves an entry to host memory when it is set, so a loader that
-    writes ``opt.state[p] = {...}`` with device tensors (load_consolidated_state) leaves at most one
-    param's state on the device at a time."""
+    writes ``opt.state[p] = {...}`` with device tensors (TrainCheckpoint's optimizer load) leaves at
+    most one param's state on the device at a time."""
 
     def __init__(self, pin: bool, items=()):
         super().__init__(dict)

@@ -34,12 +34,11 @@ Modules, by role
     gather.py     the step and the all-gather of the updated params (blocking or behind the next
                   forward, ``overlap_param_gather``)
     state.py      the per-rank checkpoint shard, the layout-free export
-                  (:meth:`~ShardedOptimizer.export_state`), :func:`load_consolidated_state`, and
-                  :meth:`~ShardedOptimizer.memory_report`
+                  (:meth:`~ShardedOptimizer.export_state`) and :meth:`~ShardedOptimizer.memory_report`
 """
 from .layout import DEFAULT_BUCKET_BYTES, EXPERT_NAME_PART, assign_owners, forward_blocks, plan_buckets
 from .optimizer import ShardedOptimizer, build_sharded_optimizer
-from .state import CANONICAL_FORMAT, STATE_FORMAT, load_consolidated_state
+from .state import CANONICAL_FORMAT, STATE_FORMAT
 
 __all__ = ["CANONICAL_FORMAT", "DEFAULT_BUCKET_BYTES", "EXPERT_NAME_PART", "STATE_FORMAT", "ShardedOptimizer",
-           "assign_owners", "build_sharded_optimizer", "forward_blocks", "load_consolidated_state", "plan_buckets"]
+           "assign_owners", "build_sharded_optimizer", "forward_blocks", "plan_buckets"]

@@ -12,7 +12,7 @@ All-gather behind the next forward (``overlap_param_gather=True``, issue 19 item
     :meth:`ParamGather.finish_param_gather` waits for whatever is left; every reader of parameter
     values outside a forward must call it, and the optimizer calls it itself wherever it can: in
     ``reduce_gradients`` (the next step; a param no forward used is still pending there), ``step``,
-    ``state_dict`` / ``load_state_dict``, ``export_state``, ``load_consolidated_state``, and,
+    ``state_dict`` / ``load_state_dict``, ``export_state``, and,
     through hooks, in ``state_dict()`` / ``load_state_dict()`` of every module of the model
     (the trainer's checkpoint save and load). Code that reads ``model.parameters()`` values directly
     after a step (tests, tools) calls it. The gathers run on dedicated communicators
@@ -116,7 +116,7 @@ class ParamGather:
         it into the params, in issue order; a no-op when none is. Anything that reads or writes
         parameter values outside a forward must call it first. This class calls it itself in
         :meth:`reduce_gradients`, :meth:`step`, :meth:`state_dict`, :meth:`load_state_dict`,
-        :meth:`export_state` and :func:`load_consolidated_state`, and hooks it to ``state_dict`` /
+        :meth:`export_state`, and hooks it to ``state_dict`` /
         ``load_state_dict`` of every module of the model (checkpoint saves and loads). Not in
         :meth:`zero_grad`: it touches gradients only, and comes right after :meth:`step`."""
         if self._gather_pending:

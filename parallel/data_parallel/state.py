@@ -1,14 +1,13 @@
 """Optimizer state of the ZeRO-1 optimizer: this rank's checkpoint shard, the layout-free export,
-loading a canonical state on any layout, and the memory accounting.
+and the memory accounting.
 
 Layout-free optimizer state
     :meth:`OptimizerState.export_state` gives this rank's owned params' state under canonical
-    (single-process) names; :func:`load_consolidated_state` loads such a state (every param's entry;
-    full tensors sliced to this rank's TP shard when given the TP shard dims) on any (tp, dp) layout.
+    (single-process) names, as held here (TP shards); the trainer's checkpoint
+    (megak3/checkpoint/train_state.py) saves it as boxes of the global tensors and loads each rank's
+    box of them on any layout.
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 
@@ -17,7 +16,7 @@ from .comm import _rank, _size
 
 STATE_FORMAT = "megak3.zero1.v1"
 CANONICAL_FORMAT = "megak3.optim.canonical.v1"
-"""format tag of :meth:`OptimizerState.export_state` and of the state :func:`load_consolidated_state` reads"""
+"""format tag of :meth:`OptimizerState.export_state`"""
 
 
 class OptimizerState:
@@ -140,72 +139,3 @@ class OptimizerState:
             "buckets": len(self.buckets),
             "comm_padding": 1.0 - payload / max(1, padded),
         }
-
-
-@torch.no_grad()
-def load_consolidated_state(sharded_opt, full_state: dict,
-                            shard_dim: dict[str, Optional[int]] | None = None) -> None:
-    """Load a canonical optimizer state (:meth:`OptimizerState.export_state`'s format, with an entry
-    for every param) into the :class:`~parallel.data_parallel.ShardedOptimizer` ``sharded_opt``.
-
-    For every param this rank owns, its state tensors become the local Muon/AdamW state of the
-    owner's main copy; ``{}`` clears it (never stepped); the entries of params owned elsewhere must
-    exist but are not read. With ``shard_dim`` (canonical name -> TP-sharded dim,
-    None = replicated: ``ParallelPlan.tp_shard_dim``) the state holds FULL tensors and each is
-    sliced to this rank's TP shard: chunk ``tp_rank`` of ``tp`` along its dim, where tp and tp_rank
-    are those of the optimizer's ``tp_group`` (:meth:`ShardedOptimizer.set_tensor_parallel`);
-    without it (the trainer's checkpoint load) the tensors are taken as they are. Group
-    hyperparameters are restored from the saved ones (``torch.optim.Optimizer.load_state_dict``
-    semantics). Needs no collective. Raises ``ValueError`` if the state is for another model
-    (missing/extra names, another optimizer, shapes).
-    """
-    sharded_opt.finish_param_gather()
-    if not isinstance(full_state, dict) or full_state.get("format") != CANONICAL_FORMAT:
-        got = full_state.get("format") if isinstance(full_state, dict) else type(full_state).__name__
-        raise ValueError(f"load_consolidated_state: state format {got!r} is not {CANONICAL_FORMAT!r} "
-                         f"(use export_state output)")
-    tp, tp_rank = (1, 0) if shard_dim is None else (_size(sharded_opt.tp_group), _rank(sharded_opt.tp_group))
-    names = [canonical_name(s.name) for s in sharded_opt.specs]
-    saved = full_state["state"]
-    if set(names) != set(saved):
-        missing, extra = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
-        raise ValueError(f"load_consolidated_state: the state is for another model: {len(missing)} params "
-                         f"missing (e.g. {missing[:3]}), {len(extra)} unknown (e.g. {extra[:3]})")
-    groups = {id(p): (o, g) for o in sharded_opt.optimizers for g in o.param_groups for p in g["params"]}
-    new_hyper: dict[int, tuple[str, dict]] = {}
-    for i, m in sharded_opt.main.items():
-        s, name = sharded_opt.specs[i], names[i]
-        if full_state["optimizer"][name] != s.optimizer:
-            raise ValueError(f"load_consolidated_state: {name!r} was optimised by "
-                             f"{full_state['optimizer'][name]}, here by {s.optimizer}")
-        dim = None if shard_dim is None else shard_dim.get(name)
-        local = {}
-        for k, v in saved[name].items():
-            if torch.is_tensor(v) and v.ndim > 0:
-                if dim is not None and tp > 1:
-                    if v.ndim <= dim or v.shape[dim] % tp:
-                        raise ValueError(f"load_consolidated_state: {name!r} state {k!r} of shape "
-                                         f"{tuple(v.shape)} cannot be split into {tp} shards along dim {dim}")
-                    v = v.chunk(tp, dim=dim)[tp_rank]
-                if v.shape != m.shape:
-                    raise ValueError(f"load_consolidated_state: {name!r} state {k!r} has shape {tuple(v.shape)} "
-                                     f"for this rank's shard, the param is {tuple(m.shape)}; the state was "
-                                     f"saved from another model config (or holds TP shards)")
-                v = v.to(device=m.device, dtype=m.dtype).clone()
-            elif torch.is_tensor(v):
-                v = v.clone()
-            local[k] = v
-        opt, group = groups[id(m)]
-        if local:
-            opt.state[m] = local
-        else:
-            opt.state.pop(m, None)
-        hp = full_state["hyperparameters"][name]
-        prev = new_hyper.setdefault(id(group), (name, hp))
-        if prev[1] != hp:
-            raise ValueError(f"load_consolidated_state: {prev[0]!r} and {name!r} share a param group here "
-                             f"but were saved with different hyperparameters ({prev[1]} vs {hp})")
-    for o in sharded_opt.optimizers:
-        for g in o.param_groups:
-            if id(g) in new_hyper:
-                g.update(new_hyper[id(g)][1])

@@ -2,6 +2,12 @@
 checkpointing, images, offload), the global batch a plan assumes, and the helpers the planner's
 modules share.
 
+Job config: a PlanConfig field that mirrors a job config field names its dotted key once
+(``mirror("parallel.tp")``); its default is the job config's except where the planner plans a
+production run by default (bf16, activation checkpointing, SP, micro-batch 1, seq 4096, the default
+global batch). ``PlanConfig.from_job(job, world_size)`` reads those keys from a JobConfig;
+tools/plan.py parses its ``key=value`` arguments through the same keys.
+
 Batch: a plan, a search and min_gpus all assume the same global batch when none is given,
 default_global_batch(): ~4 Mi tokens per step (1024 x 4096), rounded up to whole micro-batch rounds.
 Stages: the trainer's partition (parallel/pipeline/partition.rank_chunks: cost-balanced, cuts at

@@ -9,10 +9,10 @@
     python tools/plan.py --calibrate        # re-derive the activation coefficients on this machine
 
 Arguments (key=value): model=NAME and model.FIELD=VALUE (conf/model/), parallel.{tp,pp,ep,dp,cp,
-sequence_parallel,pp_schedule,vp,pp_split_blocks,pp_layout}, world_size, gpu (conf/hardware/: h100,
+cp_balance,cp_balance_split,sequence_parallel,pp_schedule,vp,pp_split_blocks,pp_layout}, world_size, gpu (conf/hardware/: h100,
 h200, b200, cpu), data.seq_len, train.{micro_batch_size,global_batch_size,precision,
 activation_checkpointing}, param_dtype (fp32 as the trainer runs, or bf16), model.moe.qb_method
-(auto | exact | histogram), moonep.{enabled,max_replicas_per_rank}, data.vision_fraction (share of the
+(auto | exact | histogram), model.moe.qb_bins, moonep.{enabled,max_replicas_per_rank}, data.vision_fraction (share of the
 tokens that are image tokens, default 0: text only) and data.image_side (pixels of the square images
 assumed; default the position grid, 896 at K3): the vision tower's activations on the first stage,
 its FLOPs in the step time and its token all-gather under TP, optim.offload (none | cpu: the AdamW
@@ -21,6 +21,10 @@ the plan is the best layout --search finds (cp included: powers of two leaving >
 CP rank, e.g. --min-gpus data.seq_len=1048576 finds the million-token layouts).
 Without train.global_batch_size every plan, search and minimum assumes ~4 Mi tokens per step
 (1024 x 4096), rounded up to whole rounds of micro_batch_size x dp, and prints it.
+The job config keys above are the fields PlanConfig mirrors (megak3/launch/planner/config.py, each
+names its key once); their values are typed and checked by the job config's own dataclasses, with
+the trainer's one-line errors. Unset, they take the planner's defaults (a production plan: bf16,
+activation checkpointing, SP, micro-batch 1, seq 4096), not the job config's.
 Exit status 0; 1 when the layout does not fit (or nothing fits); 2 on bad input.
 """
 from __future__ import annotations
@@ -33,63 +37,64 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GiB = 2 ** 30
-KEYS = {"parallel.tp": ("tp", int), "parallel.pp": ("pp", int), "parallel.ep": ("ep", int),
-        "parallel.dp": ("dp", int), "parallel.cp": ("cp", int), "parallel.sequence_parallel": ("sequence_parallel", "bool"),
-        "world_size": ("world_size", int), "data.seq_len": ("seq_len", int),
-        "train.micro_batch_size": ("micro_batch_size", int), "train.global_batch_size": ("global_batch_size", int),
-        "train.precision": ("precision", str), "train.activation_checkpointing": ("activation_checkpointing", "bool"),
-        "param_dtype": ("param_dtype", str), "parallel.pp_schedule": ("pp_schedule", str),
-        "parallel.vp": ("vp", int), "parallel.pp_split_blocks": ("pp_split_blocks", "bool"),
-        "parallel.pp_layout": ("pp_layout", "list"), "model.moe.qb_method": ("qb_method", str),
-        "moonep.enabled": ("moonep", "bool"), "moonep.max_replicas_per_rank": ("max_replicas_per_rank", int),
-        "data.vision_fraction": ("vision_fraction", float), "data.image_side": ("image_side", int),
-        "optim.offload": ("offload", str), "parallel.cp_balance": ("cp_balance", "bool"),
-        "parallel.cp_balance_split": ("cp_balance_split", int)}
 LAYOUT_KEYS = ("tp", "pp", "ep", "dp", "cp")
 
 
-def _bool(key, v):
-    if v.lower() in ("true", "1", "yes"):
-        return True
-    if v.lower() in ("false", "0", "no"):
-        return False
-    raise ValueError(f"{key}={v!r} must be true or false")
+def job_from_overrides(items):
+    """The JobConfig of its dataclass defaults with ``items`` (job config ``key=value`` strings) set,
+    each value typed and checked by the job config's own field types as the trainer's composition
+    does (OmegaConf's structured config; its errors in megak3.job.compose's one-line wording). No
+    Hydra composition, validation or data checks: a plan needs no dataset."""
+    from omegaconf import OmegaConf
 
+    from megak3.job.compose import explain
+    from megak3.job.config import JobConfig
 
-def _int_list(key, v):
-    import yaml
-
-    x = yaml.safe_load(v)
-    if not isinstance(x, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in x):
-        raise ValueError(f"{key}={v!r} must be a list of layer counts, e.g. [3,6]")
-    return tuple(x)
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.from_dotlist(items)))
+    except Exception as e:  # noqa: BLE001  (OmegaConf's type and parse errors)
+        raise ValueError(explain(e, items)) from None
 
 
 def parse_overrides(items):
-    """(model name, model overrides, PlanConfig kwargs, gpu name) from key=value strings."""
-    model, model_over, kw, gpu = "k3_full", {}, {}, "h200"
+    """(model name, model overrides, PlanConfig, gpu name, names of the PlanConfig fields given) from
+    key=value strings: the job config keys PlanConfig mirrors (PlanConfig.job_keys()) through
+    job_from_overrides and PlanConfig.from_job, the planner's own (PlanConfig.arg_keys()) typed by
+    PlanConfig's fields, other model.FIELD keys as the model config's overrides."""
+    import typing
+
+    import yaml
+
+    from megak3.launch.planner import PlanConfig
+
+    job_keys, arg_keys = PlanConfig.job_keys(), PlanConfig.arg_keys()
+    types = typing.get_type_hints(PlanConfig)
+    model, model_over, job_items, kw, gpu = "k3_full", {}, [], {}, "h200"
     for it in items:
         if "=" not in it:
             raise ValueError(f"argument {it!r} is not key=value (e.g. parallel.tp=8)")
         k, v = it.split("=", 1)
         if k == "model":
             model = v
-        elif k in KEYS:
-            name, typ = KEYS[k]
-            try:
-                kw[name] = (_bool(k, v) if typ == "bool" else _int_list(k, v) if typ == "list" else typ(v))
-            except ValueError:
-                want = {"bool": "true/false", "list": "a list of integers"}.get(typ, getattr(typ, "__name__", typ))
-                raise ValueError(f"{k}={v!r} must be {want}") from None
-        elif k.startswith("model."):
-            import yaml
-
-            model_over[k[6:]] = yaml.safe_load(v)
         elif k == "gpu":
             gpu = v
+        elif k in job_keys:
+            job_items.append(it)
+        elif k in arg_keys:
+            typ = types[arg_keys[k]]
+            try:
+                kw[arg_keys[k]] = typ(v)
+            except ValueError:
+                raise ValueError(f"{k}={v!r} must be {typ.__name__}") from None
+        elif k.startswith("model."):
+            model_over[k[6:]] = yaml.safe_load(v)
         else:
-            raise ValueError(f"unknown key {k!r}; use one of model, model.FIELD, gpu, {', '.join(KEYS)}")
-    return model, model_over, kw, gpu
+            raise ValueError(f"unknown key {k!r}; use one of model, model.FIELD, gpu, "
+                             f"{', '.join(list(arg_keys) + list(job_keys))}")
+    given = {job_keys[it.split("=", 1)[0]] for it in job_items}
+    job = job_from_overrides(job_items)
+    pc = PlanConfig.from_job(job, keys=[it.split("=", 1)[0] for it in job_items], **kw)
+    return model, model_over, pc, gpu, given | set(kw)
 
 
 def _g(b):
@@ -222,11 +227,11 @@ def main(argv=None) -> int:
         print(json.dumps({p: fit(p) for p in ("fp32", "bf16")}, indent=1))
         return 0
     try:
-        model, mo, kw, gpu = parse_overrides(args.overrides)
+        model, mo, pc, gpu, given = parse_overrides(args.overrides)
         cfg = load_model_config(model, **mo)
         hw = load_hardware(gpu)
         extras = " ".join(a for a in args.overrides if not a.startswith(("model=", "gpu=", "world_size=")))
-        base = planner.PlanConfig(**{k: v for k, v in kw.items() if k not in LAYOUT_KEYS})
+        base = replace(pc, **{k: getattr(planner.PlanConfig, k) for k in LAYOUT_KEYS})  # the layout's defaults
         replace(base, global_batch_size=0).resolved()  # bad precision / schedule values fail before any search
         if args.min_gpus:
             res = planner.min_gpus(cfg, hw, base=replace(base, world_size=1))
@@ -259,8 +264,8 @@ def main(argv=None) -> int:
                 for i, p in enumerate(plans, 1):
                     print(f"#{i} {short_line(p)}")
             return 0
-        given = any(k in kw for k in LAYOUT_KEYS)
-        if not given:
+        layout_given = any(k in given for k in LAYOUT_KEYS)
+        if not layout_given:
             best = planner.search(cfg, base.world_size, hw, top=1, base=base)
             if not best:
                 print(f"no layout of {base.world_size} x {hw.name} fits {cfg.name} at seq {base.seq_len}; the smallest "
@@ -268,14 +273,14 @@ def main(argv=None) -> int:
                 return 1
             p = best[0]
         else:
-            p = planner.make_plan(cfg, planner.PlanConfig(**kw), hw)
+            p = planner.make_plan(cfg, pc, hw)
     except ValueError as e:
         print(f"plan: error: {e}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(p, default=str))
         return 0 if p["fits"] else 1
-    if not given:
+    if not layout_given:
         print(f"no parallel.tp/pp/ep/dp/cp given: the best layout on {base.world_size} x {hw.name} (what --search ranks "
               f"first); give parallel.* to plan another")
     print(format_plan(p))

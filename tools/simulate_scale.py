@@ -186,19 +186,18 @@ def main(argv=None) -> int:
     from parallel.config import ParallelConfig
 
     try:
-        model, mo, kw, gpu = _plan_tool().parse_overrides(args.overrides)
+        model, mo, pc, gpu, given = _plan_tool().parse_overrides(args.overrides)
         cfg = load_model_config(model, **mo)
         hw = load_hardware(gpu)
-        if not any(k in kw for k in ("tp", "pp", "ep", "dp")):  # the planner's best layout
-            base = planner.PlanConfig(**kw)
-            best = planner.search(cfg, base.world_size, hw, top=1, base=base)
+        if not any(k in given for k in ("tp", "pp", "ep", "dp")):  # the planner's best layout
+            best = planner.search(cfg, pc.world_size, hw, top=1, base=pc)
             if not best:
-                raise ValueError(f"no layout of {base.world_size} x {hw.name} fits {cfg.name}; "
+                raise ValueError(f"no layout of {pc.world_size} x {hw.name} fits {cfg.name}; "
                                  "give parallel.tp/pp/ep or a larger world_size")
             L = best[0]["layout"]
-            kw.update(tp=L["tp"], pp=L["pp"], ep=L["ep"], micro_batch_size=L["micro_batch_size"],
-                      global_batch_size=L["global_batch_size"])
-        pc = planner.PlanConfig(**kw).resolved()
+            pc = replace(pc, tp=L["tp"], pp=L["pp"], ep=L["ep"], micro_batch_size=L["micro_batch_size"],
+                         global_batch_size=L["global_batch_size"])
+        pc = pc.resolved()
         pcfg = ParallelConfig(tp=pc.tp, pp=pc.pp, ep=pc.ep, dp=pc.dp, vp=pc.vp, pp_schedule=pc.pp_schedule,
                               sequence_parallel=pc.sequence_parallel or pc.tp > 1,
                               pp_split_blocks=planner.split_blocks(cfg, pc),

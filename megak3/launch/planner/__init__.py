@@ -7,7 +7,8 @@
     per_rank_figures(model_cfg, pc, "middle")   # exact params / grads / optimizer / checkpoint bytes
 
 Modules, by role (each docstring says what it counts and how):
-  config       PlanConfig (what to plan) and the global batch a plan assumes
+  config       PlanConfig (what to plan; PlanConfig.from_job reads a JobConfig) and the global batch
+               a plan assumes
   inventory    parameters and buffers of the real module tree, TP shards from parallel/sharding.py,
                the trainer's pipeline stages, the layout check
   activations  saved bytes per decoder layer and head (calibrated coefficients), context parallelism

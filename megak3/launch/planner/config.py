@@ -2,6 +2,12 @@
 checkpointing, images, offload), the global batch a plan assumes, and the helpers the planner's
 modules share.
 
+Job config: a PlanConfig field that mirrors a job config field names its dotted key once
+(``mirror("parallel.tp")``); its default is the job config's except where the planner plans a
+production run by default (bf16, activation checkpointing, SP, micro-batch 1, seq 4096, the default
+global batch). ``PlanConfig.from_job(job, world_size)`` reads those keys from a JobConfig;
+tools/plan.py parses its ``key=value`` arguments through the same keys.
+
 Batch: a plan, a search and min_gpus all assume the same global batch when none is given,
 default_global_batch(): ~4 Mi tokens per step (1024 x 4096), rounded up to whole micro-batch rounds.
 Stages: the trainer's partition (parallel/pipeline/partition.rank_chunks: cost-balanced, cuts at
@@ -9,10 +15,10 @@ AttnRes block starts unless parallel.pp_split_blocks, which the plan turns on wh
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Dict, Optional
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Dict, Iterable, Optional
 
-from megak3.job.config import check_layout
+from megak3.job.config import JobConfig, check_layout
 
 from ...config import ModelConfig
 
@@ -39,63 +45,134 @@ def default_global_batch(seq_len: int, micro_batch_size: int, dp: int, pp: int =
     return -(-want // unit) * unit
 
 
+_FROM_JOB = object()
+
+
+def job_default(key: str):
+    """The default of the job config's field ``key`` (dotted, e.g. 'parallel.tp'), read from the
+    JobConfig dataclasses (megak3/job/config.py and its sections' configs)."""
+    cls, *path, leaf = [JobConfig] + key.split(".")
+    for name in path:
+        cls = {f.name: f for f in fields(cls)}[name].default_factory
+    f = {f.name: f for f in fields(cls)}[leaf]
+    return f.default if f.default is not MISSING else f.default_factory()
+
+
+def job_value(job: JobConfig, key: str):
+    """The value of the job config's field ``key`` (dotted) in ``job``."""
+    v = job
+    for name in key.split("."):
+        v = getattr(v, name)
+    return v
+
+
+def mirror(key: str, default=_FROM_JOB, read=None):
+    """A PlanConfig field that mirrors the job config's field ``key``: its default is the job
+    config's unless the planner gives its own (a production plan, not the job config's small demo
+    run); ``read(job)``, when given, is how :meth:`PlanConfig.from_job` reads it (else the field)."""
+    meta = {"job": key, "read": read}
+    if default is _FROM_JOB:
+        default = job_default(key)
+    return field(default=default, metadata=meta)
+
+
+def arg(key: str, default):
+    """A planner-only field (no job config field) that tools/plan.py sets as ``key=value``."""
+    return field(default=default, metadata={"arg": key})
+
+
 @dataclass
 class PlanConfig:
-    """What to plan: layout degrees, batch shape, precision, checkpointing, hardware."""
+    """What to plan: layout degrees, batch shape, precision, checkpointing, hardware.
 
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    dp: int = 0
+    A field that mirrors a job config field names it once (``mirror("parallel.tp")``, the field's
+    metadata["job"]): :meth:`from_job` reads it from a JobConfig, tools/plan.py parses ``key=value``
+    by that field's type in the job config. Planner-only knobs carry metadata["arg"] (their
+    ``key=value`` name) or nothing (set by the planner itself)."""
+
+    tp: int = mirror("parallel.tp")
+    pp: int = mirror("parallel.pp")
+    ep: int = mirror("parallel.ep")
+    dp: int = mirror("parallel.dp")
     """0: world_size / (tp * cp * pp)"""
-    cp: int = 1
+    cp: int = mirror("parallel.cp")
     """parallel.cp: context-parallel degree (each sequence split into cp contiguous segments)"""
-    cp_balance: bool = False
+    cp_balance: bool = mirror("parallel.cp_balance")
     """parallel.cp_balance: MLA's balanced schedule (query blocks moved, K/V expanded per key block)"""
-    cp_balance_split: int = 2
+    cp_balance_split: int = mirror("parallel.cp_balance_split")
     """parallel.cp_balance_split: query blocks per CP rank under cp_balance"""
-    world_size: int = 1
-    sequence_parallel: bool = True
-    """SP under tp > 1 (the trainer's EP x TP layouts require it)"""
-    micro_batch_size: int = 1
-    seq_len: int = 4096
-    global_batch_size: int = 0
-    """sequences per step; 0: default_global_batch() (~4 Mi tokens, whatever the layout)"""
-    precision: str = "bf16"
-    """activation dtype: 'bf16' (autocast) or 'fp32'"""
-    param_dtype: str = "fp32"
+    world_size: int = arg("world_size", 1)
+    sequence_parallel: bool = mirror("parallel.sequence_parallel", True)
+    """SP under tp > 1 (the trainer's EP x TP layouts require it); planner default true"""
+    micro_batch_size: int = mirror("train.micro_batch_size", 1)
+    """planner default 1"""
+    seq_len: int = mirror("data.seq_len", 4096)
+    """planner default 4096"""
+    global_batch_size: int = mirror("train.global_batch_size", 0)
+    """sequences per step; 0 (the planner's default): default_global_batch() (~4 Mi tokens, whatever the layout)"""
+    precision: str = mirror("train.precision", "bf16")
+    """activation dtype: 'bf16' (autocast, the planner's default) or 'fp32'"""
+    param_dtype: str = arg("param_dtype", "fp32")
     """'fp32' (the trainer: fp32 params = main copies) or 'bf16' (bf16 params + fp32 owned main copies)"""
-    activation_checkpointing: bool = True
-    pp_schedule: str = "1f1b"
+    activation_checkpointing: bool = mirror("train.activation_checkpointing", True,
+                                            read=lambda job: job.train.recompute_mode() == "full")
+    """full recompute of each decoder layer (from a job: train.recompute_mode() == 'full'); planner default true"""
+    pp_schedule: str = mirror("parallel.pp_schedule")
     """parallel.pp_schedule: afab, 1f1b, interleaved_1f1b or zb_h1 (parallel/pipeline/schedules.py)"""
-    vp: int = 1
+    vp: int = mirror("parallel.vp")
     """parallel.vp: model chunks per pipeline rank (interleaved_1f1b)"""
-    pp_split_blocks: Optional[bool] = None
-    """parallel.pp_split_blocks; None: only when pp x vp exceeds the AttnRes block starts"""
-    pp_layout: Optional[tuple] = None
+    pp_split_blocks: Optional[bool] = mirror("parallel.pp_split_blocks", None)
+    """parallel.pp_split_blocks; None (the planner's default): only when pp x vp exceeds the AttnRes block starts"""
+    pp_layout: Optional[tuple] = mirror("parallel.pp_layout", read=lambda job: _tuple(job.parallel.pp_layout))
     """parallel.pp_layout: explicit layers per model chunk; None: balanced as the trainer does"""
-    moonep: bool = True
+    moonep: bool = mirror("moonep.enabled")
     """moonep.enabled (used when ep > 1): MoonEP with replica slots; False: the baseline dispatcher
     (home experts only: no replica buffers or traffic)"""
-    max_replicas_per_rank: int = 0
+    max_replicas_per_rank: int = mirror("moonep.max_replicas_per_rank")
     """moonep.max_replicas_per_rank: replica slots M per EP rank; 0 = num_experts / ep"""
-    qb_method: str = ""
-    """'' = model.moe.qb_method; 'auto' | 'exact' | 'histogram' (anything else: ValueError)"""
-    qb_bins: int = 0
-    """0 = model.moe.qb_bins (4096 when the config has none)"""
+    qb_method: str = mirror("model.moe.qb_method", "")
+    """'' (the planner's default) = model.moe.qb_method of the model config; 'auto' | 'exact' | 'histogram'
+    (anything else: ValueError)"""
+    qb_bins: int = mirror("model.moe.qb_bins", 0)
+    """0 (the planner's default) = model.moe.qb_bins of the model config (4096 when the config has none)"""
     bucket_bytes: int = 40 * 2 ** 20
     dp_overlap: float = 0.8
     """fraction of the ZeRO-1 reduce-scatter / all-gather hidden behind compute"""
     global_batch_default: bool = False
     """set by resolved(): the global batch came from default_global_batch()"""
-    vision_fraction: float = 0.0
-    """data.vision_fraction: share of every sequence's tokens that are <|media|> vision tokens (0: text
+    vision_fraction: float = arg("data.vision_fraction", 0.0)
+    """share of every sequence's tokens that are <|media|> vision tokens (0: text
     only, the plan is exactly the text plan); the tower's activations, FLOPs and TP gather follow from it"""
-    image_side: int = 0
-    """data.image_side: side in pixels of the (square) images assumed; 0 = the position grid's
+    image_side: int = arg("data.image_side", 0)
+    """side in pixels of the (square) images assumed; 0 = the position grid's
     pos_grid x patch_size (896 px, 64 x 64 patches, 1024 LM tokens at K3)"""
-    offload: str = "none"
+    offload: str = mirror("optim.offload")
     """optim.offload: 'none' or 'cpu' (the AdamW state and update in host memory, megak3/optim/offload.py)"""
+
+    @classmethod
+    def job_keys(cls) -> Dict[str, str]:
+        """{job config key: PlanConfig field} of the fields that mirror the job config."""
+        return {f.metadata["job"]: f.name for f in fields(cls) if "job" in f.metadata}
+
+    @classmethod
+    def arg_keys(cls) -> Dict[str, str]:
+        """{key=value name: PlanConfig field} of the planner-only fields tools/plan.py sets."""
+        return {f.metadata["arg"]: f.name for f in fields(cls) if "arg" in f.metadata}
+
+    @classmethod
+    def from_job(cls, job: JobConfig, world_size: int = 1, keys: Optional[Iterable[str]] = None,
+                 **planner_only) -> "PlanConfig":
+        """The plan of ``job`` on ``world_size`` ranks: every mirrored field read from the job config
+        (only those named in ``keys``, job config keys, when given; the others keep the planner's
+        defaults), ``planner_only`` (e.g. param_dtype, vision_fraction) set as given."""
+        keys = None if keys is None else set(keys)
+        kw = {}
+        for f in fields(cls):
+            key = f.metadata.get("job")
+            if key is not None and (keys is None or key in keys):
+                read = f.metadata["read"]
+                kw[f.name] = read(job) if read is not None else job_value(job, key)
+        return cls(world_size=world_size, **kw, **planner_only)
 
     def resolved(self) -> "PlanConfig":
         for f in ("tp", "pp", "ep", "cp", "vp", "world_size", "micro_batch_size", "seq_len"):
@@ -111,6 +188,9 @@ class PlanConfig:
             raise ValueError(f"data.vision_fraction={f!r} must be a number in [0, 1]")
         if isinstance(self.image_side, bool) or not isinstance(self.image_side, int) or self.image_side < 0:
             raise ValueError(f"data.image_side={self.image_side!r} must be an integer >= 0 (0 = the position grid)")
+        b = self.qb_bins
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0 or b == 1:
+            raise ValueError(f"model.moe.qb_bins={b!r} must be >= 2 (0 = the model config's)")
         if self.qb_method not in ("",) + QB_METHODS:
             raise ValueError(f"model.moe.qb_method={self.qb_method!r}: choose one of {', '.join(QB_METHODS)}")
         if self.precision not in ("bf16", "fp32"):
@@ -177,6 +257,10 @@ def _key(cfg: ModelConfig) -> str:
     if hit is None or hit[0] is not cfg:
         hit = _KEYS[id(cfg)] = (cfg, repr(cfg))
     return hit[1]
+
+
+def _tuple(x):
+    return tuple(x) if x is not None else None
 
 
 def _ring(n: int) -> float:

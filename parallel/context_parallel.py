@@ -80,7 +80,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -361,7 +361,7 @@ class ContextParallel:
 
 
 def parallelize_cp(model, ps, parallel_cfg=None) -> Optional[ContextParallel]:
-    """Set ``model.context_parallel`` when ``ps.cp_size > 1`` (returns the hook, or None);
+    """Install the model's ``context_parallel`` hook (``ParallelHooks``) when ``ps.cp_size > 1`` (returns the hook, or None);
     ``parallel_cfg``: a ParallelConfig whose ``cp_balance`` / ``cp_balance_split`` pick MLA's
     schedule (None = contiguous)."""
     if ps.cp_size == 1:
@@ -369,5 +369,5 @@ def parallelize_cp(model, ps, parallel_cfg=None) -> Optional[ContextParallel]:
     balance = bool(getattr(parallel_cfg, "cp_balance", False))
     split = int(getattr(parallel_cfg, "cp_balance_split", 2))
     hook = ContextParallel(ps.cp_group, ps.cp_size, dist.get_rank(ps.cp_group), balance, split)
-    model.context_parallel = hook
+    model.set_parallel_hooks(replace(model.parallel_hooks, context_parallel=hook))
     return hook

@@ -27,6 +27,7 @@ parallel/expert_parallel.py.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Dict, Optional
 
 import torch
@@ -34,7 +35,6 @@ import torch.distributed as dist
 from torch import nn
 
 from megak3.model.ffn import SiTUGLUMLP
-from megak3.model.k3 import ParallelHooks
 from megak3.model.kda import KimiDeltaAttention
 
 from .plan import ParallelPlan, Shard, canonical_name
@@ -164,8 +164,8 @@ def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False) -> 
     fused_sp = sp and getattr(model, "vision", None) is None
     model.embed_tokens = VocabParallelEmbedding.from_embedding(model.embed_tokens, group, sequence_parallel=fused_sp)
     model.lm_head = VocabParallelHead(model.lm_head, group, rank, size, sp)
-    model.set_parallel_hooks(ParallelHooks(
-        loss_fn=lambda logits, labels: _vocab_parallel_loss(logits, labels, group),
+    model.set_parallel_hooks(replace(
+        model.parallel_hooks, loss_fn=lambda logits, labels: _vocab_parallel_loss(logits, labels, group),
         sequence_shard=(lambda x: C.scatter_to_sp(x, group, dim=1)) if sp and not fused_sp else None))
     if getattr(model, "vision", None) is not None:  # weights replicated, images split over the ranks
         from .tensor_parallel.image_split import ImageSplitTower

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -111,8 +111,6 @@ class K3Model(nn.Module):
         # what a parallel layout plugs in (ParallelHooks, set_parallel_hooks): the model math stays
         # free of process groups
         self._parallel_hooks = ParallelHooks()
-        # ``context_parallel``: cuts whole rows into this rank's sequence segment (shard_inputs)
-        self.context_parallel = None
 
     @property
     def parallel_hooks(self) -> "ParallelHooks":
@@ -129,6 +127,11 @@ class K3Model(nn.Module):
     def loss_fn(self) -> Callable:
         """(logits, labels) -> (loss_sum, count): ``parallel_hooks.loss_fn``."""
         return self._parallel_hooks.loss_fn
+
+    @property
+    def context_parallel(self):
+        """This rank's context-parallel row cutter, or None: ``parallel_hooks.context_parallel``."""
+        return self._parallel_hooks.context_parallel
 
     @property
     def sequence_shard(self) -> Optional[Callable]:
@@ -249,7 +252,7 @@ def token_loss_sum(logits_BTV: torch.Tensor, labels_BT: torch.Tensor):
 @dataclass(frozen=True)
 class ParallelHooks:
     """What a parallel layout plugs into a :class:`K3Model` (``model.set_parallel_hooks(hooks)``;
-    parallel/parallelize.py under tensor parallelism). The defaults are the single-process ones.
+    parallel/parallelize.py under tensor parallelism, parallel/context_parallel.py under CP). The defaults are the single-process ones.
     The pipeline engine (parallel/pipeline/engine.py) reads them through ``model.loss_fn`` and
     ``model.sequence_shard`` as K3Model.forward does."""
 
@@ -258,6 +261,10 @@ class ParallelHooks:
     sequence_shard: Optional[Callable] = None
     """[B, T, D] -> this rank's token shard after the embedding (sequence parallelism when the
     embedding cannot reduce-scatter itself); None: keep every token"""
+    context_parallel: Optional[Any] = None
+    """context parallelism: an object whose ``shard(input_ids_BT, labels_BT, cu_seqlens)`` cuts whole
+    rows into this rank's sequence segment (parallel/context_parallel.py ``ContextParallel``; used by
+    ``K3Model.shard_inputs``); None: every rank keeps whole rows"""
 
 
 def build_model(cfg: ModelConfig, seed: int = 0, device=None, init: bool = True) -> K3Model:

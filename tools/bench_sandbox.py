@@ -20,7 +20,6 @@ number of plain ``sh -c true`` subprocesses: ms per call and the ratio.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import shutil
@@ -33,16 +32,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megak3.cli import Parser  # noqa: E402
 from megak3.envs.host import enter_private_mounts, host_isolation  # noqa: E402
 from megak3.envs.sandbox import ProcessSandbox, SandboxLimits  # noqa: E402
 from megak3.envs.snapshot import SnapshotStore, TreeCache, tree_digest  # noqa: E402
 
 BENCH_UID = 99999
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_tree(root: str, files: int, total_bytes: int, rng: random.Random):
@@ -66,7 +61,7 @@ def du(path: str) -> int:
 
 
 def main(argv=None):
-    ap = _Parser(prog="bench_sandbox.py", description=__doc__.split("\n")[0])
+    ap = Parser(prog="bench_sandbox.py", description=__doc__.split("\n")[0])
     ap.add_argument("--files", type=int, default=1000)
     ap.add_argument("--mbytes", type=float, default=10.0)
     ap.add_argument("--changed", type=int, default=10)

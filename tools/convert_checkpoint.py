@@ -19,7 +19,6 @@ Errors: one line on stderr, exit status 2.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -27,15 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megak3.cli import Parser, error_exit  # noqa: E402
 from megak3.checkpoint import atomic as ckpt  # noqa: E402
 from megak3.checkpoint import legacy  # noqa: E402
 from megak3.checkpoint.shard_format import SHARDS_FORMAT  # noqa: E402
 from megak3.checkpoint.writer import ShardedCheckpointer, ShardEntry  # noqa: E402
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def convert(src, out_root) -> Path:
@@ -80,7 +75,7 @@ def convert(src, out_root) -> Path:
 
 
 def main(argv=None) -> int:
-    p = _Parser(description="Convert an old per-rank-part megak3 checkpoint (rank_XXXXX.pt files) into a "
+    p = Parser(description="Convert an old per-rank-part megak3 checkpoint (rank_XXXXX.pt files) into a "
                             "one-rank per-shard checkpoint (megak3.shards.v1) readable by any layout.")
     p.add_argument("checkpoint", help="old-format checkpoint directory (step_XXXXXXXX), or a checkpoint root: "
                                       "its newest complete checkpoint is converted")
@@ -90,9 +85,7 @@ def main(argv=None) -> int:
     try:
         out = convert(args.checkpoint, args.out_root)
     except Exception as e:  # noqa: BLE001 - any failure is reported as one line
-        msg = " ".join(str(e).split()) or type(e).__name__
-        print(f"{p.prog}: error: {msg}", file=sys.stderr)
-        return 2
+        return error_exit(p.prog, e)
     print(out)
     return 0
 

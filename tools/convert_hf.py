@@ -60,6 +60,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megak3.cli import Parser, error_exit  # noqa: E402
 from megak3.config import load_model_config, model_config_from_dict  # noqa: E402
 from megak3.interop.hf_config import to_hf_config  # noqa: E402
 from megak3.interop.hf_names import (  # noqa: E402
@@ -73,11 +74,6 @@ PUBLIC_TOTALS = {"tensors": 497_220, "mxfp4_pairs": 247_296}
 SLAB_BYTES = 64 << 20
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _ST_DTYPE = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.uint8: "U8"}
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def model_from_overrides(overrides) -> "ModelConfig":  # noqa: F821
@@ -347,8 +343,8 @@ def export(checkpoint, out_dir, overrides=(), experts: str = "mxfp4", dtype: str
 
 
 def main(argv=None) -> int:
-    p = _Parser(prog="convert_hf.py", description=__doc__.split("\n\n")[0],
-                epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="convert_hf.py", description=__doc__.split("\n\n")[0],
+               epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("args", nargs="*", metavar="ARG",
                    help="export CHECKPOINT_DIR OUT_DIR [model=NAME model.FIELD=VALUE ...] | with --inventory: "
                         "model=NAME [model.FIELD=VALUE ...]")
@@ -372,9 +368,7 @@ def main(argv=None) -> int:
             p.error("expected: export CHECKPOINT_DIR OUT_DIR [model=NAME ...], or --inventory model=NAME")
         export(a.args[1], a.args[2], a.args[3:], a.experts, a.dtype, a.shard_size_mb, a.scale_mode)
     except Exception as e:  # noqa: BLE001 - any failure is reported as one line
-        msg = " ".join(str(e).split()) or type(e).__name__
-        print(f"{p.prog}: error: {msg}", file=sys.stderr)
-        return 2
+        return error_exit(p.prog, e)
     return 0
 
 

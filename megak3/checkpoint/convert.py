@@ -13,14 +13,10 @@ directory written; a bad argument is one line on stderr, exit 2.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2
-        self.exit(2, f"{self.prog}: error: {message}\n")
+from ..cli import Parser, error_exit
 
 
 def _source_checkpoint(src) -> Path:
@@ -36,7 +32,7 @@ def _source_checkpoint(src) -> Path:
 
 
 def main(argv=None) -> int:
-    p = _Parser(prog="python -m megak3.checkpoint.convert",
+    p = Parser(prog="python -m megak3.checkpoint.convert",
                 description="Convert a megak3 checkpoint to torch.distributed.checkpoint (DCP) or back.")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--to-dcp", action="store_true", help="megak3 checkpoint SRC -> new DCP directory DST")
@@ -54,9 +50,7 @@ def main(argv=None) -> int:
                 raise ValueError(f"{args.src} is not a DCP checkpoint directory (no {dcp.METADATA_FILE})")
             out = dcp.from_dcp(args.src, args.dst)
     except Exception as e:  # noqa: BLE001 - any failure is reported as one line
-        msg = " ".join(str(e).split()) or type(e).__name__
-        print(f"{p.prog}: error: {msg}", file=sys.stderr)
-        return 2
+        return error_exit(p.prog, e)
     print(out)
     return 0
 

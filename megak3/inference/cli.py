@@ -31,7 +31,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import List, Optional
 
-from megak3.inference.options import Parser, add_model_args, load_engine
+from megak3.cli import Parser, error_exit
+from megak3.inference.options import add_model_args, load_engine
 from megak3.inference.server import serve_main
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
@@ -143,8 +144,7 @@ def generate_main(argv: Optional[List[str]] = None) -> int:
         results = engine.generate(ids, params)
         seconds = time.perf_counter() - t0
     except ValueError as e:  # InferenceError included: a user error, one line
-        print(f"{p.prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+        return error_exit(p.prog, e)
     if a.output:
         with open(a.output, "w", encoding="utf-8") as f:
             for i, (rec, c) in enumerate(zip(recs, results)):

@@ -1,16 +1,9 @@
 """Command-line pieces shared by ``python -m megak3.generate`` (cli.py), its ``serve`` command (server.py)
-and the lm-eval adapter: the one-line-error parser, the model options, their checks, and loading the engine."""
+and the lm-eval adapter: the model options, their checks, and loading the engine."""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-
-
-class Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line and exit status 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

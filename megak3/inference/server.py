@@ -44,7 +44,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 
-from megak3.inference.options import Parser, add_model_args, load_engine
+from megak3.cli import Parser, error_exit
+from megak3.inference.options import add_model_args, load_engine
 
 MAX_BODY_BYTES = 32 << 20
 _REFUSED = (("echo", lambda v: bool(v), "echo is not supported"),
@@ -429,8 +430,7 @@ def serve_main(argv: Optional[List[str]] = None) -> int:
         name = a.model_name or Path(a.checkpoint).resolve().name
         srv = make_server(engine, a.host, a.port, name, a.log_requests)
     except (ValueError, OSError) as e:
-        print(f"{p.prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+        return error_exit(p.prog, e)
     host, port = srv.server_address[:2]
     print(f"serving {name} on http://{host}:{port} (/v1/completions, /v1/chat/completions, /v1/models)", flush=True)
     try:

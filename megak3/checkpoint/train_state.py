@@ -121,7 +121,7 @@ class TrainCheckpoint:
             if tuple(reader.global_shape(key)) != sh.global_shape:
                 raise ValueError(f"checkpoint tensor {n} has shape {tuple(reader.global_shape(key))}, this model "
                                  f"needs {sh.global_shape}; it was saved from a different model config")
-            dst.copy_(reader.read(key, sh.offsets, sh.local_shape))
+            reader.read(key, sh.offsets, sh.local_shape, out=dst)  # straight into the tensor when it can
         optim_bytes = self._load_optimizer(reader, path, keys)
         common = reader.common
         self.data.load_state_dict(common["train_data"])

@@ -25,8 +25,7 @@ from __future__ import annotations
 from .activations import (ACT_COEF, _bytes, cp_layer_figures, head_activations, layer_activations,
                           module_features)
 from .comm import bubble_factor, comm_per_step, stage_time
-from .config import (DEFAULT_STEP_TOKENS, QB_AUTO_EXACT_LIMIT, QB_METHODS, GiB, PlanConfig,
-                     default_global_batch)
+from .config import DEFAULT_STEP_TOKENS, QB_METHODS, GiB, PlanConfig, default_global_batch
 from .flops import flops_per_token, layer_flops_per_token
 from .inventory import (_stage_layer_list, buffer_inventory, check_model, inventory, split_blocks, stage_chunks,
                         stage_layers)
@@ -39,7 +38,7 @@ from .vision import (vision_activation_bytes, vision_block_flops_per_patch, visi
 
 __all__ = [
     "ACT_COEF", "CP_MIN_LOCAL_TOKENS", "DEFAULT_STEP_TOKENS", "GiB", "OFFLOAD_HOST_BYTES_PER_ELEM",
-    "OFFLOAD_HOST_UPDATE_BYTES_PER_ELEM", "OFFLOAD_PCIE_BYTES_PER_ELEM", "PlanConfig", "QB_AUTO_EXACT_LIMIT",
+    "OFFLOAD_HOST_UPDATE_BYTES_PER_ELEM", "OFFLOAD_PCIE_BYTES_PER_ELEM", "PlanConfig",
     "QB_METHODS", "_bytes", "_owners", "_stage_layer_list", "bubble_factor", "buffer_inventory", "check_model",
     "checkpoint_meta_read_bytes", "comm_per_step", "cp_degrees", "cp_layer_figures", "default_global_batch",
     "flops_per_token", "head_activations", "inventory", "layer_activations", "layer_flops_per_token", "make_plan",

@@ -19,6 +19,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Dict, Iterable, Optional
 
 from megak3.job.config import JobConfig, check_layout
+from megak3.model.balancing import QB_METHODS
 
 from ...config import ModelConfig
 
@@ -29,10 +30,6 @@ GiB = 2 ** 30
 DEFAULT_STEP_TOKENS = 1024 * 4096
 """tokens per optimizer step a plan assumes when train.global_batch_size is not given (4 Mi)"""
 
-QB_AUTO_EXACT_LIMIT = 64 * 2 ** 20
-"""qb_method='auto': exact margins while tokens_per_step x num_experts x 4 B stays within this"""
-QB_METHODS = ("auto", "exact", "histogram")
-"""values of model.moe.qb_method (megak3.model.balancing.QB_METHODS; restated: the planner runs without the model)"""
 
 
 def default_global_batch(seq_len: int, micro_batch_size: int, dp: int, pp: int = 1,

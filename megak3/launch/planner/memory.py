@@ -48,8 +48,9 @@ import math
 from typing import Dict
 
 from ...config import ModelConfig
+from ...model.balancing import resolve_qb_method
 from .activations import head_activations, layer_activations
-from .config import QB_AUTO_EXACT_LIMIT, QB_METHODS, PlanConfig, _ring
+from .config import PlanConfig, _ring
 from .inventory import _places, _stage_layer_list, stage_chunks
 from .vision import vision_figures
 
@@ -110,20 +111,11 @@ def offload_figures(adamw_numel: float) -> dict:
 # ---- Quantile Balancing statistics -------------------------------------------------------------
 def qb_method(cfg: ModelConfig, pc: PlanConfig) -> str:
     """'exact' or 'histogram': PlanConfig.qb_method, else model.moe.qb_method; 'auto' (and a
-    missing value) resolves as the trainer does (megak3.model.balancing.resolve_qb_method):
+    missing value) resolves through the trainer's own rule (megak3.model.balancing.resolve_qb_method):
     the histogram when one layer's gathered margins, global batch x seq_len x num_experts x 4 B,
-    exceed 64 MiB, else exact margins. Any other value: ValueError naming the field."""
+    exceed QB_EXACT_MAX_BYTES (64 MiB), else exact margins. Any other value: ValueError naming the field."""
     m = pc.qb_method or getattr(cfg.moe, "qb_method", "auto")
-    if m not in QB_METHODS:
-        raise ValueError(f"model.moe.qb_method={m!r}: choose one of {', '.join(QB_METHODS)}")
-    if m in ("exact", "histogram"):
-        return m
-    tokens = pc.global_batch_size * pc.seq_len
-    try:
-        from ...model.balancing import resolve_qb_method
-    except ImportError:  # a trainer without 'auto'
-        return "histogram" if tokens * cfg.moe.num_experts * 4 > QB_AUTO_EXACT_LIMIT else "exact"
-    return resolve_qb_method("auto", tokens, cfg.moe.num_experts)
+    return resolve_qb_method(m, pc.global_batch_size * pc.seq_len, cfg.moe.num_experts)
 
 
 def qb_figures(cfg: ModelConfig, pc: PlanConfig, n_moe: int) -> dict:

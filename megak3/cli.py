@@ -1,6 +1,7 @@
-"""One-line command-line errors, shared by megak3's module entry points and tools/: a user mistake
-is one line ``PROG: error: ...`` on stderr and exit status 2, never a traceback. Imports nothing of
-megak3 (any layer may use it)."""
+"""One-line command-line errors for entry points that use argparse (the generate CLI and server, the
+checkpoint converters, tools/convert_hf.py, tools/bench_sandbox.py): a user mistake is one line
+``PROG: error: ...`` on stderr and exit status 2, never a traceback. Imports nothing of megak3 (any
+layer may use it)."""
 from __future__ import annotations
 
 import argparse

@@ -235,6 +235,23 @@ def test_non_finite_values_are_refused(tmp_path, rank, async_save):
     assert not any(p.is_file() for p in tmp_path.rglob("*"))
 
 
+def test_finite_values_whose_sum_overflows_are_saved(tmp_path):
+    """The finiteness check's fast path (a finite sum) falls back to the element check when the sum
+    overflows: such a tensor is saved; one NaN / inf among many finite values is still refused."""
+    big = {"model/f32": torch.full((5,), 3e38), "model/bf16": torch.full((4, 3), 3e38, dtype=torch.bfloat16),
+           "model/f16": torch.full((7,), 6e4, dtype=torch.float16)}
+    ShardedCheckpointer(tmp_path / "ok", 0, 1).save(1, {k: ShardEntry(t, tuple(t.shape), (0,) * t.ndim)
+                                                          for k, t in big.items()})
+    with CheckpointReader(tmp_path / "ok" / "step_00000001") as r:
+        for k, t in big.items():
+            assert torch.equal(r.read(k, (0,) * t.ndim, tuple(t.shape)), t)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+        t[617] = bad
+        with pytest.raises(CheckpointError, match="model/x holds non-finite values"):
+            ShardedCheckpointer(tmp_path / "bad", 0, 1).save(1, {"model/x": ShardEntry(t, (1000,), (0,))})
+
+
 def test_async_save_snapshots_then_writes_in_background(tmp_path):
     a = torch.arange(20.).view(4, 5)
     src = [a[:2].clone(), a[2:].clone()]

@@ -78,8 +78,9 @@ class CheckpointReader:
     size; a payload file is checked against that size when first opened. An index in the format
     before parts (one ``index.json`` holding every key) is read whole at opening. ``common`` is the
     unpickled ``state.pt`` (loaded with ``weights_only=True``), ``meta`` the manifest's meta,
-    ``step`` its step. ``bytes_read`` counts tensor payload bytes read by :meth:`read`,
-    ``meta_bytes_read`` the bytes of the manifest, index, index parts, state and objects files read.
+    ``step`` its step. ``bytes_read`` counts the tensor payload bytes :meth:`read` copied out of the
+    payload files (the bytes of the boxes asked for), ``meta_bytes_read`` the bytes of the manifest,
+    index, index parts, state and objects files read.
     """
 
     def __init__(self, path):
@@ -273,8 +274,10 @@ class CheckpointReader:
         chunks that overlap it, copying only the bytes inside the box out of the files (one
         ``os.preadv`` per contiguous run of a chunk inside the box, or one strided copy from a mapping
         of the chunk when its part is many runs shorter than 64 KiB: see the module docstring). A
-        chunk lying wholly inside the box has its crc32 verified. With ``out`` (of shape ``shape``) the box is written into it (cast to its dtype,
-        copied to its device) and ``out`` is returned; otherwise a new CPU tensor of the saved dtype.
+        chunk lying wholly inside the box has its crc32 verified. With ``out`` (of shape ``shape``)
+        the box is written into it (in place when ``out`` is a contiguous CPU tensor of the saved
+        dtype; else through a temporary, cast to its dtype, copied to its device) and ``out`` is
+        returned; otherwise a new CPU tensor of the saved dtype.
 
         Raises CheckpointError naming the key if it is unknown, if the saved chunks do not cover
         the box, on a crc mismatch, a short read or a file that cannot be mapped.

@@ -5,6 +5,7 @@ every chunk file whole and assembles the global tensor, for random boxes over ra
 kind of ``out=``."""
 import itertools
 import math
+import os
 import random
 
 import pytest
@@ -142,3 +143,19 @@ def test_column_block_of_a_wide_chunk_is_one_mapped_copy(tmp_path, monkeypatch):
     with CheckpointReader(tmp_path / "step_00000001") as r:
         assert torch.equal(r.read("model/a", (0, 16), (256, 16)), a[:, 16:32]) and not calls
         assert torch.equal(r.read("model/a", (0, 0), (256, 64)), a) and len(calls) == 1  # whole chunk: one read
+
+
+def test_file_truncated_after_opening_is_an_error_on_both_paths(tmp_path):
+    """A payload file cut short after the reader checked its size: CheckpointError, not a crash (SIGBUS)."""
+    from megak3.checkpoint.atomic import CheckpointError
+
+    a = torch.randn(256, 64)
+    ShardedCheckpointer(tmp_path, 0, 1).save(1, {"model/a": ShardEntry(a, (256, 64), (0, 0))}, common={"step": 1})
+    path = tmp_path / "step_00000001"
+    with CheckpointReader(path) as r:
+        assert torch.equal(r.read("model/a", (0, 0), (1, 64)), a[:1])  # opens (and size-checks) the file
+        os.truncate(path / r.chunks("model/a")[0]["file"], 128 * 64 * 4)
+        with pytest.raises(CheckpointError, match="cannot map shard_00000.bin to read 'model/a'"):
+            r.read("model/a", (0, 16), (256, 16))  # the mapped path
+        with pytest.raises(CheckpointError, match="short read of 'model/a'"):
+            r.read("model/a", (200, 0), (56, 64))  # the preadv path

@@ -10,7 +10,8 @@ strided numpy copy from a read-only ``mmap`` of the chunk's rows into the destin
 one system call per row (measured: 4096 rows of 256 B in 0.06 ms instead of 4.5 ms). Only bytes
 inside the box are copied out of a file (``bytes_read``); the kernel pages in whole pages on both
 paths. A payload file is checked against its recorded size when first opened; one truncated after
-that raises on the ``preadv`` path and kills the process with SIGBUS on the mapped path (a committed
+that raises CheckpointError on both paths (a short read; ``mmap`` checks the file's size), except a
+truncation during a mapped copy itself, which kills the process with SIGBUS (a committed
 checkpoint's files are never rewritten in place). The crc32 of a chunk is verified whenever the box
 covers the whole chunk (such a part is one run: always read with ``preadv``); partial reads of a
 chunk are not verified (their sizes are, via the index parts, when a file is first opened).

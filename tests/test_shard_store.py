@@ -235,6 +235,50 @@ def test_non_finite_values_are_refused(tmp_path, rank, async_save):
     assert not any(p.is_file() for p in tmp_path.rglob("*"))
 
 
+def test_finite_values_whose_sum_overflows_are_saved(tmp_path):
+    """The finiteness check's fast path (a finite sum) falls back to the element check when the sum
+    overflows: such a tensor is saved; one NaN / inf among many finite values is still refused."""
+    big = {"model/f32": torch.full((5,), 3e38), "model/bf16": torch.full((4, 3), 3e38, dtype=torch.bfloat16),
+           "model/f16": torch.full((7,), 6e4, dtype=torch.float16)}
+    ShardedCheckpointer(tmp_path / "ok", 0, 1).save(1, {k: ShardEntry(t, tuple(t.shape), (0,) * t.ndim)
+                                                          for k, t in big.items()})
+    with CheckpointReader(tmp_path / "ok" / "step_00000001") as r:
+        for k, t in big.items():
+            assert torch.equal(r.read(k, (0,) * t.ndim, tuple(t.shape)), t)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+        t[617] = bad
+        with pytest.raises(CheckpointError, match="model/x holds non-finite values"):
+            ShardedCheckpointer(tmp_path / "bad", 0, 1).save(1, {"model/x": ShardEntry(t, (1000,), (0,))})
+
+
+def test_every_file_is_fsynced_before_the_commit_renames_it(tmp_path, monkeypatch):
+    """The commit writes its files first and fsyncs them together (atomic.fsync_files): at the rename
+    every file of the staging dir, and the dir itself, has been fsynced."""
+    synced, checked = set(), []
+    real_fsync, real_publish = atomic._fsync_path, atomic.publish
+
+    def fsync(path):
+        real_fsync(path)
+        synced.add(Path(path).resolve())
+
+    def publish(root, tmp, name, keep_last):
+        files = [p.resolve() for p in Path(tmp).iterdir()]
+        assert files and Path(tmp).resolve() in synced
+        assert not [p.name for p in files if p not in synced]
+        checked.append(len(files))
+        return real_publish(root, tmp, name, keep_last)
+
+    monkeypatch.setattr(atomic, "_fsync_path", fsync)
+    monkeypatch.setattr(atomic, "publish", publish)
+    a = torch.arange(12.).view(3, 4)
+    per_rank = [{"model/a": _entry(a, (0, 0), (2, 4)), "model/b": _entry(a, (0, 0), (3, 4))},
+                {"model/a": _entry(a, (2, 0), (1, 4))}]
+    _save_ranks(tmp_path, 1, per_rank, objects={1: {"x": 1}}, common={"step": 1})
+    assert checked == [9]  # state, 2 payloads, 1 objects file, 2 index parts, 1 objects part, index, manifest
+    assert torch.equal(CheckpointReader(tmp_path / "step_00000001").read("model/a", (0, 0), (3, 4)), a)
+
+
 def test_async_save_snapshots_then_writes_in_background(tmp_path):
     a = torch.arange(20.).view(4, 5)
     src = [a[:2].clone(), a[2:].clone()]

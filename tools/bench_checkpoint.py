@@ -11,8 +11,11 @@ DCP: dcp.save with the same boxes as chunks, megak3/checkpoint/dcp.py), then loa
 layout, resharded (each rank a column block: every saved chunk overlaps every rank's box) and as one
 pipeline stage (each rank the whole tensors of 1/--ranks of the keys). Prints, per format, the metadata
 bytes on disk and read per rank, the payload bytes read per rank (the most over the ranks), and save /
-load seconds (the slowest rank, best of --repeats), with the ratio megak3 / DCP. DCP's reader loads each overlapping saved chunk whole and narrows it; its
-``.metadata`` is read with megak3.checkpoint.dcp's safe unpickler (DCP's own uses pickle.load).
+load seconds (the slowest rank, best of --repeats), with the ratio megak3 / DCP. DCP's reader loads
+each overlapping saved chunk whole and narrows it; its ``.metadata`` is read with
+megak3.checkpoint.dcp's safe unpickler (DCP's own uses pickle.load). megak3's payload bytes are those
+copied out of its files (``CheckpointReader.bytes_read``: the box's bytes); in the resharded load
+every 1 KiB saved row is cut, so the pages the kernel brings in span the whole chunks either way.
 
 Without --vs-dcp:
 A training step is stood in for by matrix products that take about --step-ms; the saved state is

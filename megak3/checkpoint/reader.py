@@ -1,15 +1,24 @@
 """The reader of per-shard checkpoints (format: :mod:`.shard_format`): any layout reads only what it needs.
 
 Reading (:class:`CheckpointReader`): a box of a key is assembled from the saved chunks that overlap
-it with ``os.preadv`` into the destination (or a bounded temporary when the destination region is not
-contiguous), one read per contiguous run of the chunk inside the box (maximal runs: the trailing
-dims the box spans fully are merged). Only bytes inside the box are read. The crc32 of a chunk is
-verified whenever the box covers the whole chunk; partial reads of a chunk are not verified (their
-sizes are, via the index parts, when a file is first opened). ``state.pt`` and ``index.json`` are
-verified against their manifest sha256 when the reader opens the checkpoint, an index part against
-the sha256 in ``index.json`` when a key of its group is first asked for: a rank reads the metadata
-of its own keys, not every key's. A checkpoint whose ``index.json`` holds every key's chunks (the
-format before parts) is read whole.
+it. The part of a chunk inside the box is a set of runs contiguous in the chunk's bytes (maximal
+runs: the trailing dims the box spans fully are merged). A part that is one run, or whose runs are
+at least ``_MAPPED_RUN_BYTES`` (64 KiB) long, is read with one ``os.preadv`` per run into the
+destination (or a bounded temporary when the destination region is not contiguous). A part of
+many shorter runs (a box cutting a chunk's inner dimension: one run per row) is copied in one
+strided numpy copy from a read-only ``mmap`` of the chunk's rows into the destination, instead of
+one system call per row (measured: 4096 rows of 256 B in 0.06 ms instead of 4.5 ms). Only bytes
+inside the box are copied out of a file (``bytes_read``); the kernel pages in whole pages on both
+paths. A payload file is checked against its recorded size when first opened; one truncated after
+that raises CheckpointError on both paths (a short read; ``mmap`` checks the file's size), except a
+truncation during a mapped copy itself, which kills the process with SIGBUS (a committed
+checkpoint's files are never rewritten in place). The crc32 of a chunk is verified whenever the box
+covers the whole chunk (such a part is one run: always read with ``preadv``); partial reads of a
+chunk are not verified (their sizes are, via the index parts, when a file is first opened).
+``state.pt`` and ``index.json`` are verified against their manifest sha256 when the reader opens
+the checkpoint, an index part against the sha256 in ``index.json`` when a key of its group is first
+asked for: a rank reads the metadata of its own keys, not every key's. A checkpoint whose
+``index.json`` holds every key's chunks (the format before parts) is read whole.
 """
 from __future__ import annotations
 
@@ -17,6 +26,7 @@ import hashlib
 import itertools
 import json
 import math
+import mmap
 import os
 import zlib
 from pathlib import Path
@@ -31,10 +41,23 @@ from .safe import safe_load
 from .shard_format import INDEX_NAME, SHARDS_FORMAT, byte_view, dtype_of
 
 _SLAB_BYTES = 64 << 20  # largest temporary buffer of a read whose destination is not contiguous
+# runs shorter than this, when a chunk's part holds several, are copied from a mapping instead of one
+# preadv each: a preadv costs ~1 us of system call and Python, the time to copy ~10 KiB
+_MAPPED_RUN_BYTES = 64 << 10
 
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def _split_dim(c_off, c_shape, lo, hi) -> int:
+    """The last dim that the region [lo, hi) of a chunk does not span fully (0 if it spans every dim
+    after the first): the dims after it are full, so the region is ``prod(hi - lo over dims < k)``
+    runs contiguous in the chunk's bytes, each ``[lo_k, hi_k)`` x everything after ``k``."""
+    k = len(c_shape) - 1
+    while k > 0 and lo[k] == c_off[k] and hi[k] == c_off[k] + c_shape[k]:
+        k -= 1
+    return k
 
 
 class _KeyInfo:
@@ -56,8 +79,9 @@ class CheckpointReader:
     size; a payload file is checked against that size when first opened. An index in the format
     before parts (one ``index.json`` holding every key) is read whole at opening. ``common`` is the
     unpickled ``state.pt`` (loaded with ``weights_only=True``), ``meta`` the manifest's meta,
-    ``step`` its step. ``bytes_read`` counts tensor payload bytes read by :meth:`read`,
-    ``meta_bytes_read`` the bytes of the manifest, index, index parts, state and objects files read.
+    ``step`` its step. ``bytes_read`` counts the tensor payload bytes :meth:`read` copied out of the
+    payload files (the bytes of the boxes asked for), ``meta_bytes_read`` the bytes of the manifest,
+    index, index parts, state and objects files read.
     """
 
     def __init__(self, path):
@@ -248,13 +272,16 @@ class CheckpointReader:
     # ------------------------------------------------------------------------------------ read
     def read(self, key, offsets, shape, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The box ``[offsets, offsets + shape)`` of the global tensor ``key``, assembled from the saved
-        chunks that overlap it, reading only the bytes inside the box (one ``os.preadv`` per
-        contiguous run of a chunk inside the box). A chunk lying wholly inside the box has its crc32
-        verified. With ``out`` (of shape ``shape``) the box is written into it (cast to its dtype,
-        copied to its device) and ``out`` is returned; otherwise a new CPU tensor of the saved dtype.
+        chunks that overlap it, copying only the bytes inside the box out of the files (one
+        ``os.preadv`` per contiguous run of a chunk inside the box, or one strided copy from a mapping
+        of the chunk when its part is many runs shorter than 64 KiB: see the module docstring). A
+        chunk lying wholly inside the box has its crc32 verified. With ``out`` (of shape ``shape``)
+        the box is written into it (in place when ``out`` is a contiguous CPU tensor of the saved
+        dtype; else through a temporary, cast to its dtype, copied to its device) and ``out`` is
+        returned; otherwise a new CPU tensor of the saved dtype.
 
         Raises CheckpointError naming the key if it is unknown, if the saved chunks do not cover
-        the box, on a crc mismatch or a short read.
+        the box, on a crc mismatch, a short read or a file that cannot be mapped.
         """
         info = self._info(key)
         gshape, nd, isz = info.global_shape, len(info.global_shape), info.itemsize
@@ -324,6 +351,12 @@ class CheckpointReader:
             self._pread_into(key, fd, view, byte_offset)
             crc = zlib.crc32(view)
         else:
+            k = _split_dim(c_off, c_shape, lo, hi)
+            run_bytes = (hi[k] - lo[k]) * math.prod(c_shape[k + 1:]) * isz
+            if math.prod(h - l for l, h in zip(lo[:k], hi[:k])) > 1 and run_bytes < _MAPPED_RUN_BYTES:
+                assert not whole  # a whole chunk is one run
+                self._copy_mapped(key, fd, ch, lo, hi, box_off, box_shape, isz, dst)
+                return
             row_bytes = math.prod(h - l for l, h in zip(lo[1:], hi[1:])) * isz
             step0 = max(1, _SLAB_BYTES // max(row_bytes, 1))
             for a in range(lo[0], hi[0], step0):
@@ -338,11 +371,7 @@ class CheckpointReader:
         """Copy the region [lo, hi) (inside one chunk and the box) to its place in ``dst``."""
         nd = len(c_shape)
         ext = [h - l for l, h in zip(lo, hi)]
-        # k: the last dim the region does not span fully; dims after k are full, so each run covers
-        # [lo_k, hi_k) x everything after k and is contiguous in the chunk's bytes
-        k = nd - 1
-        while k > 0 and lo[k] == c_off[k] and hi[k] == c_off[k] + c_shape[k]:
-            k -= 1
+        k = _split_dim(c_off, c_shape, lo, hi)
         c_stride = [math.prod(c_shape[j + 1:]) for j in range(nd)]
         run_bytes = ext[k] * c_stride[k] * isz
         total = math.prod(ext) * isz
@@ -372,6 +401,35 @@ class CheckpointReader:
                 slice((lo[-1] - box_off[-1]) * isz, (hi[-1] - box_off[-1]) * isz),)
             box_u8[sl] = tmp.reshape(*ext[:-1], ext[-1] * isz)
         return crc
+
+    def _copy_mapped(self, key, fd, ch, lo, hi, box_off, box_shape, isz, dst: np.ndarray) -> None:
+        """Copy the region [lo, hi) (inside one chunk and the box) to its place in ``dst`` with one
+        strided copy from a read-only mapping of the chunk's rows ``[lo_0, hi_0)`` (only the region's
+        bytes are copied)."""
+        c_off, c_shape, fname, byte_offset = ch[:4]
+        nd = len(c_shape)
+        row = math.prod(c_shape[1:]) * isz
+        start = byte_offset + (lo[0] - c_off[0]) * row
+        end = byte_offset + (hi[0] - c_off[0]) * row
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        try:
+            mm = mmap.mmap(fd, end - base, access=mmap.ACCESS_READ, offset=base)
+        except (OSError, ValueError) as e:  # ValueError: the file is shorter than the mapping (truncated?)
+            raise CheckpointError(f"checkpoint {self.path}: cannot map {fname} to read {key!r}: {e}") from None
+        src = box = None
+        try:
+            src = np.frombuffer(mm, np.uint8, count=end - start, offset=start - base).reshape(
+                hi[0] - lo[0], *c_shape[1:-1], c_shape[-1] * isz)
+            src = src[(slice(None),) + tuple(slice(lo[j] - c_off[j], hi[j] - c_off[j]) for j in range(1, nd - 1))
+                      + (slice((lo[-1] - c_off[-1]) * isz, (hi[-1] - c_off[-1]) * isz),)]
+            box = dst.reshape(*box_shape[:-1], box_shape[-1] * isz)
+            box = box[tuple(slice(lo[j] - box_off[j], hi[j] - box_off[j]) for j in range(nd - 1))
+                      + (slice((lo[-1] - box_off[-1]) * isz, (hi[-1] - box_off[-1]) * isz),)]
+            np.copyto(box, src)
+        finally:
+            src = box = None  # release the views of the mapping before closing it
+            mm.close()
+        self.bytes_read += math.prod(h - l for l, h in zip(lo, hi)) * isz
 
     def close(self) -> None:
         """Close the payload files opened by :meth:`read`."""

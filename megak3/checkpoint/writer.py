@@ -5,7 +5,8 @@ Commit protocol (no torch.distributed collective anywhere): each rank writes its
 polls the staging dir until every rank's marker is there (up to ``commit_timeout_s``), builds the
 index parts and ``index.json`` from the markers (checking that every key has one dtype and global
 shape and that its boxes are disjoint or identical, and that each ``.bin`` has the size its marker
-states), removes the markers, writes the manifest, fsyncs, renames the staging dir to
+states), removes the markers, writes the manifest, fsyncs the files it wrote (all at once:
+:func:`.atomic.fsync_files`) and the staging dir, renames it to
 ``step_XXXXXXXX`` and replaces ``latest`` (both via :mod:`.atomic`), then prunes to
 ``keep_last``. A crash or timeout at any point leaves ``latest`` naming the previous checkpoint.
 
@@ -210,10 +211,16 @@ class ShardedCheckpointer:
 
     @staticmethod
     def _check_finite(step: int, tensors: dict) -> None:
-        """CheckpointError naming the first floating tensor that holds a NaN/inf (key -> tensor)."""
+        """CheckpointError naming the first floating tensor that holds a NaN/inf (key -> tensor).
+
+        A NaN or inf anywhere makes the sum NaN or inf, so a finite sum proves every value finite
+        (one read, no mask: ~40x cheaper than isfinite(t).all() on CPU); a sum that is not finite (a
+        non-finite value, or finite values whose sum overflows) is checked element by element."""
         for key in sorted(tensors):
             t = tensors[key].detach()
             if (t.is_floating_point() or t.is_complex()) and t.numel():
+                if bool(torch.isfinite(t.sum())):
+                    continue
                 for block in t.reshape(-1).split(1 << 24):
                     if not bool(torch.isfinite(block).all()):
                         raise CheckpointError(f"checkpoint step {step}: {key} holds non-finite values; "
@@ -279,14 +286,14 @@ class ShardedCheckpointer:
                                     "dtype": dtype, "byte_offset": pos, "nbytes": int(data.nbytes),
                                     "crc32": zlib.crc32(memoryview(data))}
                     pos += int(data.nbytes)
-                f.flush()
-                os.fsync(f.fileno())
             bin_entry = {"file": bin_name(r), "bytes": pos}
             written += pos
         if snap.objects_bytes is not None:
             obj_entry = {"file": obj_name(r), "keys": snap.object_keys,
-                         **atomic.write_bytes_durably(staging / obj_name(r), snap.objects_bytes)}
+                         **atomic.write_bytes(staging / obj_name(r), snap.objects_bytes)}
             written += obj_entry["bytes"]
+        # the payload and objects files are durable before the marker that names them is published
+        atomic.fsync_files(staging / e["file"] for e in (bin_entry, obj_entry) if e is not None)
         marker = {"format": SHARDS_FORMAT, "rank": r, "world_size": self.world_size, "step": snap.step,
                   "seq": snap.seq, "bin": bin_entry, "objects": obj_entry, "entries": entries}
         text = json.dumps(marker, sort_keys=True).encode()
@@ -297,7 +304,8 @@ class ShardedCheckpointer:
         return written + len(text)
 
     def _commit(self, staging: Path, snap: _Snapshot) -> int:
-        files = {atomic.STATE_FILE: atomic.write_bytes_durably(staging / atomic.STATE_FILE, snap.common_bytes)}
+        # every file of the commit is written first and fsynced at once, before the rename (fsync_files)
+        files = {atomic.STATE_FILE: atomic.write_bytes(staging / atomic.STATE_FILE, snap.common_bytes)}
         markers = self._wait_for_markers(staging, snap)
         keys: dict = {}
         boxes: dict = {}  # key -> {(offsets, shape)} already indexed
@@ -341,19 +349,20 @@ class ShardedCheckpointer:
         oblobs, object_refs = key_index.build("objects", object_map, rank_files, lambda f: (f,))
         blobs.update(oblobs)
         for name, data in blobs.items():  # sha256 in the top-level index; size in the manifest
-            files[name] = {"bytes": atomic.write_bytes_durably(staging / name, data)["bytes"]}
+            files[name] = {"bytes": atomic.write_bytes(staging / name, data)["bytes"]}
         index = {"format": SHARDS_FORMAT, "index_version": key_index.INDEX_VERSION, "step": snap.step,
                  "world_size": self.world_size,
                  "keys": key_index.front_code(key_index.natural_sorted(keys)), "parts": tensor_refs,
                  "object_keys": key_index.front_code(key_index.natural_sorted(object_map)),
                  "object_parts": object_refs}
-        files[INDEX_NAME] = atomic.write_bytes_durably(staging / INDEX_NAME, json.dumps(index, sort_keys=True).encode())
+        files[INDEX_NAME] = atomic.write_bytes(staging / INDEX_NAME, json.dumps(index, sort_keys=True).encode())
         for r in range(self.world_size):  # folded into the index parts
             (staging / marker_name(r)).unlink()
         manifest = {"format_version": atomic.SHARDS_FORMAT_VERSION, "format": SHARDS_FORMAT, "step": snap.step,
                     "files": files, "meta": snap.meta, "created_unix": time.time()}
         mtext = json.dumps(manifest, indent=1, sort_keys=True)
-        atomic.write_text_durably(staging / atomic.MANIFEST_NAME, mtext)
+        atomic.write_bytes(staging / atomic.MANIFEST_NAME, mtext.encode())
+        atomic.fsync_files(staging / n for n in [*files, atomic.MANIFEST_NAME])
         atomic.fsync_dir(staging)
         atomic.publish(self.root, staging, atomic.step_dirname(snap.step), self.keep_last)
         return sum(f["bytes"] for f in files.values()) + len(mtext)  # state, index and parts: rank 0's

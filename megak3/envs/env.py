@@ -192,16 +192,17 @@ class SandboxEnv(Environment):
             return sb.list_dir(a["path"])
         raise SandboxError(f"tool {call.name!r} is not served by this environment")
 
-    def snapshot(self) -> str:
+    def snapshot(self, new_bytes: Optional[int] = None) -> str:
         if self.sandbox is None:
             raise RuntimeError(f"episode {self.episode_id}: nothing to snapshot before reset")
-        snap_id, self.last_stats = self.store.snapshot(self.sandbox.workdir, self.cache, dict(self.state))
+        snap_id, self.last_stats = self.store.snapshot(self.sandbox.workdir, self.cache, dict(self.state), new_bytes)
         return snap_id
 
-    def save(self) -> Tuple[Optional[str], str]:
-        """The snapshot after a step: (id or None, note for the observation or ""); never raises."""
+    def save(self, store_full: bool = False) -> Tuple[Optional[str], str]:
+        """The snapshot after a step: (id or None, note for the observation or ""); never raises.
+        ``store_full``: only a snapshot that needs no new file contents in the store is taken."""
         try:
-            snap_id = self.snapshot()
+            snap_id = self.snapshot(0 if store_full else None)
         except (SnapshotRefused, OSError) as e:       # OSError: e.g. an unreadable file when not root
             why = str(e) if isinstance(e, SnapshotRefused) else f"the snapshot failed: {_reason(e)}"
             return None, f"[not saved: {why}. Until a turn is saved, a restore of this episode goes back to " \

@@ -22,8 +22,11 @@ The store (``store_limits``, ``snapshot.StoreLimits``): one snapshot holds at mo
 ``gc_bytes`` new store bytes the pool collects garbage itself, keeping each live episode's last
 ``keep_last`` snapshots and every *pinned* id (ids this pool returned from ``snapshot``/``checkpoint``
 or was given in ``restore``/``fork``/``from_checkpoint``, until ``release``). While the store is over
-``pool_bytes`` after a collection, steps are not snapshotted (their observation says so). The bound
-is checked between requests: one batch can pass it by at most its episodes' ``episode_bytes``.
+``pool_bytes`` after a collection (``store_full``), a step's snapshot that needs new file contents is
+refused (the observation says so) and one that needs only its manifest (files deleted or unchanged)
+is taken, so later collections can free the older ones; the pool collects at every batch (keeping
+only each episode's last snapshot if need be) until the store is under ``pool_bytes`` again. The bound is checked between requests: one batch can pass it
+by at most its episodes' ``episode_bytes``.
 """
 from __future__ import annotations
 
@@ -37,9 +40,6 @@ from megak3.envs.process_backend import ProcessWorker, WorkerDied
 from megak3.envs.sandbox import SandboxLimits, remove_stale_cgroups, remove_tree
 from megak3.envs.snapshot import SnapshotStore, StoreLimits
 from megak3.envs.toolcall import ToolCall
-
-STORE_FULL = ("[not saved: the environment's snapshot store is full. Until a turn is saved, a restore of this "
-              "episode goes back to its last saved turn]")
 
 
 class EnvError(Exception):
@@ -215,13 +215,13 @@ class EnvPool:
         self.lost.pop(eid, None)
         self.where[eid] = self._least_loaded()
         try:
-            obs = self._call(eid, {"op": "reset", "task": task, "snapshot": self.snapshot_every_step and
-                                   not self.store_full})["observation"]
+            obs = self._call(eid, {"op": "reset", "task": task, "snapshot": self.snapshot_every_step,
+                                   "store_full": self.store_full})["observation"]
         except Exception:
             self.where.pop(eid, None)
             raise
         self._collect()
-        return obs + ("\n" + STORE_FULL if self.store_full and self.snapshot_every_step else "")
+        return obs
 
     def step(self, eid: str, action) -> StepResult:
         return self.step_batch({eid: action})[eid]
@@ -232,13 +232,11 @@ class EnvPool:
         for eid in actions:
             if eid not in self.where and eid not in self.lost:
                 raise EnvError(f"episode {eid!r} is not in this pool")
-        full = self.store_full and self.snapshot_every_step
-        reqs = {eid: {"op": "step", "action": _wire(a), "snapshot": self.snapshot_every_step and not full}
-                for eid, a in actions.items() if eid not in self.lost}
+        reqs = {eid: {"op": "step", "action": _wire(a), "snapshot": self.snapshot_every_step,
+                      "store_full": self.store_full} for eid, a in actions.items() if eid not in self.lost}
         replies, errors = self._batch(reqs)
         errors.update({eid: f"episode {eid!r} was lost: {self.lost[eid]}" for eid in actions if eid in self.lost})
-        results = {eid: StepResult(r["observation"] + ("\n" + STORE_FULL if full else ""), r["done"], r["reward"],
-                                   r["info"]) for eid, r in replies.items()}
+        results = {eid: StepResult(r["observation"], r["done"], r["reward"], r["info"]) for eid, r in replies.items()}
         self._collect()
         if errors:
             raise StepBatchError(results, errors)
@@ -320,11 +318,12 @@ class EnvPool:
         """Unpin ``snap_ids``: gc may delete them once no live episode's last ``keep_last`` names them."""
         self.pinned.difference_update(snap_ids)
 
-    def gc(self, keep=()) -> int:
-        """Delete every snapshot but the live episodes' last ``keep_last`` ones, the pinned ones and
-        ``keep`` (and objects only they used); returns bytes freed. Only for a store no other pool
-        writes to at the same time."""
-        live = {s for ids in self.recent.values() for s in ids} | set(self.last_snap.values())
+    def gc(self, keep=(), keep_last: Optional[int] = None) -> int:
+        """Delete every snapshot but the live episodes' last ``keep_last`` (default
+        ``store_limits.keep_last``) ones, the pinned ones and ``keep`` (and objects only they used);
+        returns bytes freed. Only for a store no other pool writes to at the same time."""
+        k = keep_last or self.store_limits.keep_last
+        live = {s for ids in self.recent.values() for s in ids[-k:]} | set(self.last_snap.values())
         freed = self.store.gc(sorted(live | self.pinned | set(keep)))
         self.store_bytes = self.store.disk_bytes()
         self.written_since_gc = 0
@@ -332,10 +331,13 @@ class EnvPool:
         return freed
 
     def _collect(self):
-        """The pool's own gc: after ``gc_bytes`` new bytes, or at every batch while the store is full."""
+        """The pool's own gc: after ``gc_bytes`` new bytes, or at every batch while the store is full
+        (then keeping only each episode's last snapshot if that is what it takes)."""
         lim = self.store_limits
         if self.written_since_gc >= lim.gc_bytes or self.store_full or self.store_bytes > lim.pool_bytes:
             self.gc()
+            if self.store_full and lim.keep_last > 1:
+                self.gc(keep_last=1)
 
     def shutdown(self):
         for w in self.workers:

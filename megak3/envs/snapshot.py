@@ -331,7 +331,8 @@ class SnapshotStore:
             raise
         return n
 
-    def _hash_and_store(self, dir_fd: int, name: str, st: os.stat_result, stats: SnapshotStats) -> str:
+    def _hash_and_store(self, dir_fd: int, name: str, st: os.stat_result, stats: SnapshotStats,
+                        new_bytes: Optional[int]) -> str:
         fd = _open_file_at(dir_fd, name, st)
         with open(fd, "rb", buffering=0) as f:
             data = f.read(st.st_size + 1) if st.st_size <= HASH_CHUNK else None
@@ -345,6 +346,9 @@ class SnapshotStore:
             stats.files_hashed += 1
             stats.bytes_hashed += st.st_size
             if not self._has_object(digest):
+                if new_bytes is not None and stats.bytes_written + st.st_size > new_bytes:
+                    raise SnapshotRefused("the environment's snapshot store is full: only turns that add no new "
+                                          "file contents are saved now")
                 if data is None:
                     f.seek(0)
                     chunks = iter(lambda: f.read(HASH_CHUNK), b"")
@@ -366,9 +370,11 @@ class SnapshotStore:
             return False
 
     # ---- snapshot ---------------------------------------------------------------------------------
-    def snapshot(self, workdir: str, cache: TreeCache, state: Dict) -> Tuple[str, SnapshotStats]:
+    def snapshot(self, workdir: str, cache: TreeCache, state: Dict, new_bytes: Optional[int] = None
+                 ) -> Tuple[str, SnapshotStats]:
         """Store ``workdir`` and ``state`` (JSON-serialisable); return (snapshot id, stats).
-        ``SnapshotRefused`` when the tree is over ``limits.episode_bytes`` / ``episode_entries``."""
+        ``SnapshotRefused`` when the tree is over ``limits.episode_bytes`` / ``episode_entries``, or
+        when it needs more than ``new_bytes`` bytes of new file contents (the manifest is not counted)."""
         t0 = time.perf_counter()
         lim = self.limits
         stats, entries, seen, total, n = SnapshotStats(), [], {}, 0, 0
@@ -390,7 +396,7 @@ class SnapshotStore:
                     k = _key(st)
                     hit = cache.files.get(rel)
                     digest = hit[1] if hit and hit[0] == k and self._has_object(hit[1]) else \
-                        self._hash_and_store(dir_fd, name, st, stats)
+                        self._hash_and_store(dir_fd, name, st, stats, new_bytes)
                     seen[rel] = (k, digest)
                     entries.append([rel, "f", mode, st.st_mtime_ns, digest])
                 elif stat.S_ISDIR(st.st_mode):

@@ -7,7 +7,8 @@ isolation line (``host.HostIsolation.describe``) on stderr. Each request is one 
 is ``{"ok": true, ...}`` or ``{"ok": false, "error": msg}``: a failing request never stops the worker.
 ``reset``/``step`` with ``"snapshot": true`` also snapshot the episode after the op (``SandboxEnv.save``)
 and return its id; a tree the store refuses gets no id and a note in the observation (the step's reply
-is still ``ok``: the model's text never makes a request fail).
+is still ``ok``: the model's text never makes a request fail). With ``"store_full": true`` only a
+snapshot that needs no new file contents is taken.
 The worker exits when stdin closes or its parent dies.
 """
 from __future__ import annotations
@@ -83,7 +84,7 @@ class WorkerServer:
         else:
             raise ValueError(f"unknown op {op!r}")
         if req.get("snapshot") and op in ("reset", "step"):
-            snap, note = env.save()
+            snap, note = env.save(bool(req.get("store_full")))
             if note:
                 out["observation"] += "\n" + note
                 out.setdefault("info", {})["snapshot"] = note

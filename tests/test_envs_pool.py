@@ -373,7 +373,7 @@ def test_the_pool_collects_its_store(tmp_path):
         pinned = pool.snapshot("e")
         sizes = []
         for i in range(12):
-            pool.step("e", ToolCall("write_file", {"path": "blob", "content": f"{i:07d}" * (1 << 17)}))
+            pool.step("e", ToolCall("write_file", {"path": "blob", "content": f"{i:08d}" * (1 << 17)}))
             sizes.append(pool.store.disk_bytes())
         assert max(sizes) < (2 + 3 + 1.2) * (1 << 20) < 12 << 20       # live + gc_bytes + one turn
         assert pool.store.has(pinned) and pool.state("e")["turn"] == 12

@@ -59,7 +59,7 @@ class StoreLimits:
     episode_bytes: int = 256 << 20      # one snapshot: file sizes (sparse files at full size) + manifest bytes
     episode_entries: int = 100_000      # one snapshot: files, directories and symlinks
     pool_bytes: int = 16 << 30          # the store of a pool in all; past it (after gc) snapshots are refused
-    gc_bytes: int = 256 << 20           # the pool collects garbage after this many new store bytes
+    gc_bytes: int = 64 << 20            # the pool collects garbage after this many new store bytes
     keep_last: int = 2                  # snapshots per live episode the pool's gc keeps
 
     def validate(self) -> "StoreLimits":

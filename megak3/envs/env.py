@@ -219,12 +219,16 @@ class SandboxEnv(Environment):
         if self.sandbox is None:
             self._fresh_sandbox()
         try:
-            state, self.last_stats = self.store.restore(snap_id, self.sandbox.workdir, self.cache, self.sandbox.uid)
+            state, self.last_stats = self.store.restore(snap_id, self.sandbox.workdir, self.cache, self._owner())
         except OSError:                                # the tree could not be made over in place: start empty
             self._fresh_sandbox()
-            state, self.last_stats = self.store.restore(snap_id, self.sandbox.workdir, self.cache, self.sandbox.uid)
+            state, self.last_stats = self.store.restore(snap_id, self.sandbox.workdir, self.cache, self._owner())
         self.state = {**state, "episode_id": self.episode_id}
         self.task = make_task(state["task"])
+
+    def _owner(self) -> Optional[int]:
+        """The uid restored entries get: the episode's (only root can give files away)."""
+        return self.sandbox.uid if self.sandbox.iso.is_root else None
 
     def fork(self, snap_id: Optional[str], episode_id: str) -> "SandboxEnv":
         """A new, independent episode ``episode_id`` starting from ``snap_id`` (default: a fresh snapshot)."""

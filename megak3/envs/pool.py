@@ -20,13 +20,14 @@ recovery or from a checkpoint, its worker died twice in one request) is *lost*: 
 The store (``store_limits``, ``snapshot.StoreLimits``): one snapshot holds at most ``episode_bytes`` /
 ``episode_entries`` (a bigger tree is not saved; the step's observation says so). After every
 ``gc_bytes`` new store bytes the pool collects garbage itself, keeping each live episode's last
-``keep_last`` snapshots and every *pinned* id (ids this pool returned from ``snapshot``/``checkpoint``
-or was given in ``restore``/``fork``/``from_checkpoint``, until ``release``). While the store is over
+``keep_last`` snapshots, those of the last ``keep_last`` ``checkpoint()`` calls, and every *pinned*
+id (ids this pool returned from ``snapshot`` or was given in ``restore``/``fork``/``from_checkpoint``,
+until ``release``). While the store is over
 ``pool_bytes`` after a collection (``store_full``), a step's snapshot that needs new file contents is
 refused (the observation says so) and one that needs only its manifest (files deleted or unchanged)
 is taken, so later collections can free the older ones; the pool collects at every batch (keeping
-only each episode's last snapshot if need be) until the store is under ``pool_bytes`` again. The bound is checked between requests: one batch can pass it
-by at most its episodes' ``episode_bytes``.
+only each episode's last snapshot if need be) until the store is under ``pool_bytes`` again. The
+bound is checked between requests: one batch can pass it by at most its episodes' ``episode_bytes``.
 """
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ class EnvPool:
         self.last_snap: Dict[str, str] = {}
         self.recent: Dict[str, List[str]] = {}          # each episode's last keep_last snapshot ids
         self.pinned: set = set()
+        self.checkpointed: List[set] = []               # snapshot ids of the last keep_last checkpoints
         self.lost: Dict[str, str] = {}
         self.events: List[PoolEvent] = []
 
@@ -224,6 +226,7 @@ class EnvPool:
         return obs
 
     def step(self, eid: str, action) -> StepResult:
+        """One step; model text never makes it raise (``StepBatchError`` only if the pool fails the episode)."""
         return self.step_batch({eid: action})[eid]
 
     def step_batch(self, actions: Dict[str, Any]) -> Dict[str, StepResult]:
@@ -294,8 +297,10 @@ class EnvPool:
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def checkpoint(self) -> Dict:
-        """JSON-serialisable: the store and each live episode's last snapshot (pinned: gc keeps them)."""
-        self.pinned.update(self.last_snap.values())
+        """JSON-serialisable: the store and each live episode's last snapshot (gc keeps the snapshots of
+        the last ``keep_last`` checkpoints)."""
+        self.checkpointed.append(set(self.last_snap.values()))
+        del self.checkpointed[:-self.store_limits.keep_last]
         return {"store": self.store_dir, "episodes": dict(sorted(self.last_snap.items()))}
 
     @classmethod
@@ -320,10 +325,12 @@ class EnvPool:
 
     def gc(self, keep=(), keep_last: Optional[int] = None) -> int:
         """Delete every snapshot but the live episodes' last ``keep_last`` (default
-        ``store_limits.keep_last``) ones, the pinned ones and ``keep`` (and objects only they used);
-        returns bytes freed. Only for a store no other pool writes to at the same time."""
+        ``store_limits.keep_last``) ones, those of the last ``store_limits.keep_last`` checkpoints, the
+        pinned ones and ``keep`` (and objects only they used); returns bytes freed. Only for a store
+        no other pool writes to at the same time."""
         k = keep_last or self.store_limits.keep_last
         live = {s for ids in self.recent.values() for s in ids[-k:]} | set(self.last_snap.values())
+        live.update(*self.checkpointed)
         freed = self.store.gc(sorted(live | self.pinned | set(keep)))
         self.store_bytes = self.store.disk_bytes()
         self.written_since_gc = 0

@@ -168,6 +168,10 @@ def test_bad_input_is_refused_before_work(pool, tmp_path):
     with pytest.raises(ValueError, match=r"^store_limits.gc_bytes=0 must be a positive integer$"):
         EnvPool(1, store_limits={"gc_bytes": 0})
     r = subprocess.run([sys.executable, "-m", "megak3.envs.worker", "--store", str(tmp_path), "--base",
+                        str(tmp_path), "--store-limits", '{"keep_last": 0}'], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr == \
+        "megak3.envs.worker: error: --store-limits: store_limits.keep_last=0 must be a positive integer\n"
+    r = subprocess.run([sys.executable, "-m", "megak3.envs.worker", "--store", str(tmp_path), "--base",
                         str(tmp_path), "--limits", '{"wall_seconds": -1}'], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr == \
         "megak3.envs.worker: error: --limits: limits.wall_seconds=-1 must be a positive number\n"
@@ -275,10 +279,12 @@ def test_planted_links_never_redirect_restore_fork_recovery_or_checkpoint(tmp_pa
         pool.reset("victim", LEDGER)
         victim = pool.digest("victim")
         pids = [w.pid for w in pool.workers]
-        code = PLANT.format(targets=canaries, pids=pids, ahead=2500).replace("ns_last", str(ns_last)) \
+        ahead = 5000
+        code = PLANT.format(targets=canaries, pids=pids, ahead=ahead).replace("ns_last", str(ns_last)) \
             .replace("pid_max", str(pid_max))
         out = pool.step("a", ToolCall("python", {"code": code})).observation
         assert out.startswith("[exit 0]"), out
+        planted = set(pids) | {(ns_last + k) % pid_max for k in range(1, ahead)}
         snap, digest = pool.last_snap["a"], pool.digest("a")
         change = sh("echo changed > x; echo changed > sub/x; rm dirlink; mkdir dirlink")
 
@@ -308,6 +314,7 @@ def test_planted_links_never_redirect_restore_fork_recovery_or_checkpoint(tmp_pa
     finally:
         pool.shutdown()
     with EnvPool.from_checkpoint(ckpt, num_workers=2, base_dir=str(base)) as again:
+        assert any(w.pid in planted for w in again.workers), "the new workers' pids were not planted"
         try:
             assert again.digest("a") == digest and again.digest("victim") == victim
         finally:

@@ -1,8 +1,8 @@
 """An environment worker process: serves ``SandboxEnv`` episodes over JSON lines on stdin/stdout.
 
 ``python -m megak3.envs.worker --store DIR --base DIR [--limits JSON] [--store-limits JSON]``. At start
-it enters a private mount namespace (so per-episode tmpfs quotas vanish with it, even on SIGKILL) and prints the host's
-isolation line (``host.HostIsolation.describe``) on stderr. Each request is one JSON object with
+it enters a private mount namespace (so per-episode tmpfs quotas vanish with it, even on SIGKILL) and
+prints the host's isolation line (``host.HostIsolation.describe``) on stderr. Each request is one JSON object with
 ``op`` (reset, step, snapshot, restore, fork, close, digest, info) and the op's fields; each reply
 is ``{"ok": true, ...}`` or ``{"ok": false, "error": msg}``: a failing request never stops the worker.
 ``reset``/``step`` with ``"snapshot": true`` also snapshot the episode after the op (``SandboxEnv.save``)

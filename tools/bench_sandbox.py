@@ -15,7 +15,8 @@ with time, bytes written and its ratio to the full copy of the same tree measure
 * repeated snapshot of the unchanged tree (a stat per file);
 * snapshot after changing ``--changed`` files;
 * restore of the first snapshot onto the changed tree (rewrites only the changed files);
-* restore of the first snapshot into an empty directory (a new worker resuming the episode).
+* restore of the first snapshot into an empty directory (a new worker resuming the episode; a tmpfs
+  too when root). Restores give the files to a sandbox uid, as a worker does.
 
 The same sequence also runs with the snapshot code of git revision ``--baseline`` (default: the
 last commit before snapshots went through directory fds; its ``megak3/envs/snapshot.py`` is loaded
@@ -89,9 +90,11 @@ def load_baseline(rev: str):
     return mod
 
 
-def sequence(impl, work: str, base: str, changed: int, rng: random.Random, tag: str):
+def sequence(impl, work: str, base: str, changed: int, rng: random.Random, tag: str, limits: SandboxLimits):
     """first / repeat / changed snapshot, restore onto the changed tree, restore into an empty
-    directory; returns [(name, seconds, bytes)]; leaves ``work`` as it was."""
+    directory (a tmpfs like ``work`` when root); returns [(name, seconds, bytes)]; leaves ``work`` as it
+    was. Restores give files to ``BENCH_UID`` as a worker does, where this process may."""
+    uid = BENCH_UID if os.geteuid() == 0 else None
     store, cache, rows = impl.SnapshotStore(os.path.join(base, f"store-{tag}")), impl.TreeCache(), []
     digest = tree_digest(work)
     os.sync()                                           # the other run's dirty pages are not flushed in this one
@@ -102,15 +105,14 @@ def sequence(impl, work: str, base: str, changed: int, rng: random.Random, tag: 
     change_files(work, changed, rng)
     _, st = store.snapshot(work, cache, {"turn": 2})
     rows.append((f"snapshot after {changed} changed files", st.seconds, st.bytes_written))
-    _, st = store.restore(s1, work, cache)
+    _, st = store.restore(s1, work, cache, uid)
     rows.append(("restore onto the changed tree", st.seconds, st.bytes_written))
     assert tree_digest(work) == digest, f"{tag}: restore is not bit-identical"
-    fresh = os.path.join(base, f"fresh-{tag}")
-    os.mkdir(fresh)
-    _, st = store.restore(s1, fresh, impl.TreeCache())
+    fresh = ProcessSandbox(os.path.join(base, f"fresh-{tag}"), BENCH_UID + 1, limits, os.path.join(base, "scratch"))
+    _, st = store.restore(s1, fresh.workdir, impl.TreeCache(), uid)
     rows.append(("restore into an empty directory", st.seconds, st.bytes_written))
-    assert tree_digest(fresh) == digest, f"{tag}: restore is not bit-identical"
-    shutil.rmtree(fresh)
+    assert tree_digest(fresh.workdir) == digest, f"{tag}: restore is not bit-identical"
+    fresh.destroy()
     shutil.rmtree(os.path.join(base, f"store-{tag}"))
     return rows
 
@@ -167,7 +169,7 @@ def main(argv=None):
         runs = {"old": [], "new": []}
         for r in range(args.repeat):                    # alternating: other load falls on both alike
             for tag, impl in ((("old", old), ("new", current)) if r % 2 == 0 else (("new", current), ("old", old))):
-                runs[tag].append(sequence(impl, work, base, args.changed, rng, tag))
+                runs[tag].append(sequence(impl, work, base, args.changed, rng, tag, limits))
         print(f"{'operation (median of ' + str(args.repeat) + ')':<40} {'new ms':>8} {'old ms':>8} {'new/old':>8} "
               f"{'MB written':>11} {'copy/new':>9}")
         print(f"{'full copy (baseline of the vs-copy column)':<40} {t_copy * 1e3:8.1f}")

@@ -441,9 +441,10 @@ class SnapshotStore:
         new_cache: Dict[str, Tuple[Tuple[int, int, int, int], str]] = {}
         root_mode, root_mtime = man["root"]
         path = _DirPath(open_dir(workdir))
-        # one frame per open directory: (its manifest entry's mode and mtime, subdirectories still to do)
-        frames = [(root_mode, root_mtime, iter(self._sync_dir(path.top, kids[""], cache, new_cache, uid, stats)))]
         try:
+            # one frame per open directory: (its manifest entry's mode and mtime, subdirectories still to do)
+            frames = [(root_mode, root_mtime, iter(self._sync_dir(path.top, kids[""], cache, new_cache, uid,
+                                                                  stats)))]
             while frames:
                 e = next(frames[-1][2], None)
                 if e is not None:

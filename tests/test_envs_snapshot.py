@@ -2,6 +2,8 @@
 import hashlib
 import inspect
 import os
+import random
+import shutil
 import stat
 import sys
 
@@ -330,3 +332,91 @@ def test_gc_keeps_only_named_snapshots(tmp_path):
     assert store.restore(snaps[-2], root, cache)[0] == {"i": 3}
     with pytest.raises(KeyError):
         store.manifest(snaps[0])
+
+
+NAMES = (f".megak3-restore-{os.getpid()}", f".megak3-write-{os.getpid()}", "a", "b", "d" * 254,
+         os.fsdecode(b"\xff\xfe"), "x.json.tmp-0")                  # host-side names of this process, odd ones
+
+
+def random_tree(root, rng, targets, n=30):
+    """A seeded tree as an agent could make it: nested dirs, files, links to host files, hard links,
+    fifos, odd modes; returns the directories (rel) it made."""
+    dirs = [""]
+    for _ in range(n):
+        parent = rng.choice(dirs)
+        name = rng.choice(NAMES) + (str(rng.randrange(3)) if rng.random() < 0.3 else "")
+        p = os.path.join(root, parent, name)
+        if os.path.lexists(p):
+            continue
+        kind = rng.random()
+        if kind < 0.3 and parent.count("/") < 8:
+            os.mkdir(p)
+            dirs.append(os.path.join(parent, name) if parent else name)
+        elif kind < 0.6:
+            with open(p, "wb") as f:
+                f.write(rng.randbytes(rng.randrange(200)))
+            os.chmod(p, rng.choice((0o644, 0o000, 0o4755, 0o600)))
+        elif kind < 0.85:
+            os.symlink(rng.choice(targets + ["rel/../x", "/work/a"]), p)
+        elif kind < 0.95:
+            files = [os.path.join(root, d, f) for d in dirs for f in os.listdir(os.path.join(root, d))
+                     if os.path.isfile(os.path.join(root, d, f)) and not os.path.islink(os.path.join(root, d, f))]
+            if files:
+                os.link(rng.choice(files), p)
+        else:
+            os.mkfifo(p)
+    for d in dirs[1:]:
+        if rng.random() < 0.2:
+            os.chmod(os.path.join(root, d), rng.choice((0o500, 0o1777, 0o000)))
+    return dirs
+
+
+def mutate_randomly(root, rng, targets, dirs):
+    for d in dirs:
+        os.chmod(os.path.join(root, d), 0o755) if d else None
+    for _ in range(10):
+        d = rng.choice(dirs)
+        if not os.path.isdir(os.path.join(root, d)) or os.path.islink(os.path.join(root, d)):
+            continue
+        names = os.listdir(os.path.join(root, d))
+        if not names:
+            continue
+        p = os.path.join(root, d, rng.choice(names))
+        op = rng.random()
+        if op < 0.4:                                         # replace anything by a link to a host file
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p)
+            else:
+                os.unlink(p)
+            os.symlink(rng.choice(targets), p)
+        elif op < 0.7 and os.path.isfile(p) and not os.path.islink(p):
+            with open(p, "ab") as f:
+                f.write(b"+")
+        elif op < 0.85 and not os.path.islink(p):
+            os.chmod(p, 0o777)
+        elif not os.path.lexists(os.path.join(root, d, "new")):
+            open(os.path.join(root, d, "new"), "w").close()
+
+
+def test_seeded_trees_restore_exactly_and_touch_no_host_file(tmp_path):
+    """A store-level generator (the jail-level one drives the agent's own tools): 40 seeded trees,
+    each snapshot, mutated (links to host files put in place of entries), restored in place and
+    into an empty directory: the tree equals the snapshot and no canary changed."""
+    paths, before = canaries(tmp_path)
+    store = SnapshotStore(str(tmp_path / "store"))
+    for seed in range(40):
+        rng = random.Random(seed)
+        root = str(tmp_path / f"t{seed}")
+        os.mkdir(root)
+        dirs = random_tree(root, rng, paths)
+        cache = TreeCache()
+        snap, st = store.snapshot(root, cache, {"seed": seed})
+        want = {k: v for k, v in listing_by_chdir(root).items() if v != ("?",)}
+        assert len(st.skipped) == len(listing_by_chdir(root)) - len(want)
+        mutate_randomly(root, rng, paths, dirs)
+        unharmed(paths, before, store.restore, snap, root, cache, uid=54321)
+        assert {k: v for k, v in listing_by_chdir(root).items() if v != ("?",)} == want, seed
+        fresh = root + "-fresh"
+        os.mkdir(fresh)
+        unharmed(paths, before, store.restore, snap, fresh, TreeCache(), uid=54321)
+        assert listing_by_chdir(fresh) == want, seed

@@ -393,3 +393,17 @@ def test_the_pool_collects_its_store(tmp_path):
         assert pool.last_snap["e"] == saved
         obs = pool.step("e", sh("rm r*; echo ok")).observation                # needs no new contents: saved
         assert obs == "[exit 0]\nok\n" and pool.last_snap["e"] != saved and not pool.store_full
+
+
+def test_a_full_disk_does_not_wedge_restore():
+    """Rewriting a file in place needs room for its copy; on a full episode tmpfs the worker restores
+    into a fresh directory instead."""
+    with EnvPool(1, limits={"disk_bytes": 8 << 20}) as pool:
+        pool.reset("e", LEDGER)
+        pool.step("e", sh("head -c 3500000 /dev/urandom > a; head -c 3500000 /dev/urandom > b"))
+        snap, digest = pool.last_snap["e"], pool.digest("e")
+        obs = pool.step("e", sh("head -c 3500000 /dev/urandom > a; head -c 3500000 /dev/urandom > b")).observation
+        assert obs.startswith("[exit 0]"), obs
+        pool.restore("e", snap)
+        assert pool.digest("e") == digest and pool.events == []
+        assert pool.step("e", sh("echo ok")).observation == "[exit 0]\nok\n"

@@ -33,7 +33,6 @@ from typing import List, Optional
 
 from megak3.cli import Parser, error_exit
 from megak3.inference.options import add_model_args, load_engine
-from megak3.inference.server import serve_main
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 """per-prompt fields a JSONL line may set"""
@@ -164,5 +163,7 @@ def generate_main(argv: Optional[List[str]] = None) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:
+        from megak3.inference.server import serve_main
+
         return serve_main(argv[1:])
     return generate_main(argv)

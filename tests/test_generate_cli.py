@@ -26,12 +26,14 @@ TEXT = ("def main(argv):\n    return sum(x * x for x in argv) + len(argv)\n"
 MAX_SEQ = 96
 
 
-def make_tiny_run(root: Path, seed: int = 0, max_seq_len: int = MAX_SEQ):
+def make_tiny_run(root: Path, seed: int = 0, max_seq_len: int = MAX_SEQ, **overrides):
     """A run directory: tokenizer.json + checkpoints/step_00000005 of a random-init small K3 model
-    whose vocabulary is the tokenizer's. Returns (run dir, model, tokenizer)."""
+    whose vocabulary is the tokenizer's (``overrides``: more model.* values, e.g. ``{"vision.enabled":
+    True}`` as keyword ``**{...}``). Returns (run dir, model, tokenizer)."""
     root = Path(root)
     tok = train_bpe_tokenizer([TEXT], 300, root / "tokenizer.json")
-    cfg = load_model_config("k3_tiny", **{**SMALL_MODEL, "vocab_size": tok.vocab_size, "max_seq_len": max_seq_len})
+    cfg = load_model_config("k3_tiny", **{**SMALL_MODEL, "vocab_size": tok.vocab_size, "max_seq_len": max_seq_len,
+                                          **overrides})
     model = build_model(cfg, seed=seed).eval()
     ent = {f"model/{k}": ShardEntry(v.detach(), tuple(v.shape), (0,) * v.dim()) for k, v in model.state_dict().items()}
     ShardedCheckpointer(root / "checkpoints", 0, 1).save(

@@ -202,7 +202,12 @@ class OpenAIService:
         for s in texts:
             offs.append(offset)
             offset += len(s)
-        top = [{self._piece(i): lp for i, lp in row} for row in tops] if want_top else None
+        top = None
+        if want_top:   # OpenAI's shape is a dict by token text: of alternatives that decode alike, the likeliest
+            top = [{} for _ in tops]
+            for d, row in zip(top, tops):
+                for i, lp in row:
+                    d.setdefault(self._piece(i), lp)
         return CompletionLogprobs(tokens=texts, token_logprobs=list(lps), top_logprobs=top, text_offset=offs)
 
     def _chat_logprobs(self, toks: List[int], lps: List[float], tops: List[list]) -> ChatLogprobs:

@@ -76,18 +76,18 @@ def validation_message(errors: list, content_type: str) -> tuple:
     a union's alternatives are named together (``FIELD_HINTS`` where the union is a top field)."""
     from .api_models import FIELD_HINTS, UnsupportedField
 
-    e = errors[0]
+    e = max(errors, key=lambda x: len(x.get("loc", ())))   # a union: the branch that got furthest
     loc = [x for x in e.get("loc", ()) if x != "body"]
     if e.get("type") == "json_invalid":
         return f"the request body is not JSON ({(e.get('ctx') or {}).get('error', e.get('msg'))})", None
+    err = (e.get("ctx") or {}).get("error")
+    if isinstance(err, UnsupportedField):
+        return str(err), err.param
     if not loc:
         if content_type and "json" not in content_type:
             return (f"send the request body as JSON with Content-Type: application/json (got {content_type})",
                     None)
         return "the request body must be a JSON object", None
-    err = (e.get("ctx") or {}).get("error")
-    if isinstance(err, UnsupportedField):
-        return str(err), err.param
     fields = _field_names()
     param = _param(loc, fields)
     if e.get("type") == "extra_forbidden":
@@ -95,8 +95,8 @@ def validation_message(errors: list, content_type: str) -> tuple:
         return f"unrecognized request field {param!r}; leave it out", param
     if e.get("type") == "missing":
         return f"{param} is required", param
-    if param in FIELD_HINTS:
-        return f"{param} {FIELD_HINTS[param]}", param
+    if param in FIELD_HINTS or (loc[0] in FIELD_HINTS and loc[0] != "messages"):
+        return f"{loc[0]} {FIELD_HINTS[loc[0]]}", str(loc[0])
     same = [x for x in errors if _param([y for y in x.get("loc", ()) if y != "body"], fields) == param]
     msgs = list(dict.fromkeys(x.get("msg", "invalid value") for x in same))
     got = e.get("input")

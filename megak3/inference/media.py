@@ -62,7 +62,7 @@ def read_local_image(path: str, allowed_dir: Optional[str] = None) -> bytes:
             raise InferenceError("image_url: the file is not under the server's --allowed-local-media-path")
         p = real
     try:
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(p, os.O_RDONLY | (getattr(os, "O_NOFOLLOW", 0) if allowed_dir is not None else 0))
     except OSError:
         raise InferenceError(f"image {'file' if allowed_dir else path}: no such readable file") from None
     with os.fdopen(fd, "rb") as f:

@@ -169,7 +169,7 @@ def _metric(text: str, name: str) -> float:
 
 
 def test_metrics_count_what_was_served(served):
-    c, _, _, _, _ = served
+    c, _, _, engine, _ = served
     before = c.get("/metrics").text
     r = c.post("/v1/completions", json={"prompt": "def main(", "max_tokens": 5, "temperature": 0,
                                         "ignore_eos": True}).json()
@@ -184,9 +184,11 @@ def test_metrics_count_what_was_served(served):
         _metric(before, "megak3_time_to_first_token_seconds_count") + 1
     assert _metric(a, 'megak3_requests_total{status="400"}') >= 1
     assert _metric(a, "megak3_requests_running") == 0 and _metric(a, "megak3_requests_waiting") == 0
-    assert 0 < _metric(a, "megak3_cache_pages_used") <= _metric(a, "megak3_cache_pages_total")
+    assert 0 <= _metric(a, "megak3_cache_pages_used") <= _metric(a, "megak3_cache_pages_total") == engine.cache.cfg.num_pages
     assert 0 <= _metric(a, "megak3_prefix_cache_hit_rate") <= 1
     assert c.get("/health").json() == {"status": "ok"}
+    schema = c.get("/openapi.json").json()            # the pydantic models are the published schema
+    assert "/v1/chat/completions" in schema["paths"] and "ChatCompletionRequest" in schema["components"]["schemas"]
 
 
 class _GatedEngine:
@@ -248,6 +250,16 @@ def test_requests_that_arrive_together_share_one_engine_call(served):
             assert got[i].status_code == 200 and got[i].json()["choices"][0]["text"] == shown(tok, ref)
 
 
+def _post(port, body):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json"})
+        return json.loads(conn.getresponse().read())
+    finally:
+        conn.close()
+
+
 def test_uvicorn_socket_streams_in_pieces_and_a_disconnect_frees_the_sequence(served):
     _, model, tok, engine, _ = served
     gated = _GatedEngine(engine)
@@ -271,14 +283,28 @@ def test_uvicorn_socket_streams_in_pieces_and_a_disconnect_frees_the_sequence(se
         conn.close()
         assert gated.stream_closed.wait(30)           # the engine's stream was closed: its pages are freed
         assert len(gated.streamed) < 80 and not engine.cache.seqs
-        # and the server goes on serving
+        # a queued request whose client went away is dropped: hold one engine call, queue a second, hang up
+        gated.calls.clear()
+        gated.release.clear()
+        held = threading.Thread(target=lambda: _post(port, {"prompt": "a", "max_tokens": 2}), daemon=True)
+        held.start()
+        deadline = time.time() + 30
+        while not gated.calls and time.time() < deadline:
+            time.sleep(0.01)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "def", "max_tokens": 3,
-                                                                 "temperature": 0}).encode(),
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "b", "max_tokens": 2}).encode(),
                      headers={"Content-Type": "application/json"})
-        r = json.loads(conn.getresponse().read())
-        assert r["choices"][0]["text"] == shown(tok, greedy_reference(model, tok.encode("def"), 3, tok.eos_id))
+        while app.state.client.q.qsize() < 1 and time.time() < deadline:
+            time.sleep(0.01)
+        conn.sock.shutdown(2)
         conn.close()
+        time.sleep(1.0)                                 # the server polls for a disconnect every 0.25 s
+        gated.release.set()
+        held.join(60)
+        assert gated.calls == [1]                       # the hung-up request never reached the engine
+        # and the server goes on serving
+        r = _post(port, {"prompt": "def", "max_tokens": 3, "temperature": 0})
+        assert r["choices"][0]["text"] == shown(tok, greedy_reference(model, tok.encode("def"), 3, tok.eos_id))
     finally:
         server.should_exit = True
         th.join(30)

@@ -29,6 +29,10 @@ import torch
 from .types import Completion
 
 
+class ClientDisconnected(Exception):
+    """The client went away while its request waited (the server answers nobody)."""
+
+
 @dataclass
 class Request:
     """One prompt of a request, ready for the engine."""
@@ -80,7 +84,7 @@ class EngineClient:
     async def generate(self, reqs: List[Request], disconnected=None) -> List[Result]:
         """Results of ``reqs`` (one engine call with whatever else is queued). ``disconnected``: an
         async callable polled while waiting; when it answers True the job is cancelled (dropped if
-        it has not started) and ``asyncio.CancelledError`` is raised."""
+        it has not started) and :class:`ClientDisconnected` is raised."""
         fut = asyncio.get_running_loop().create_future()
         job = self._submit("generate", reqs, fut)
         try:
@@ -89,7 +93,7 @@ class EngineClient:
                 if done:
                     return fut.result()
                 if disconnected is not None and await disconnected():
-                    raise asyncio.CancelledError("client disconnected")
+                    raise ClientDisconnected()
         finally:
             job.cancel.set()
 

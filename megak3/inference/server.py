@@ -159,7 +159,7 @@ def make_app(engine, model_name: str = "megak3", allowed_media_dir: Optional[str
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     from .api_models import ChatCompletionRequest, CompletionRequest, ErrorResponse
-    from .engine_client import EngineClient
+    from .engine_client import ClientDisconnected, EngineClient
     from .metrics import ServerMetrics
     from .service import OpenAIService, RequestError
     from .types import InferenceError
@@ -199,6 +199,10 @@ def make_app(engine, model_name: str = "megak3", allowed_media_dir: Optional[str
     @app.exception_handler(RequestError)
     async def _bad(request: Request, exc: RequestError):
         return _error(exc.status, str(exc), exc.param, exc.code)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected):
+        return Response(status_code=499)   # nginx's "client closed request": nobody reads it
 
     @app.exception_handler(InferenceError)
     async def _engine_refused(request: Request, exc: InferenceError):

@@ -129,15 +129,24 @@ class EngineClient:
                     self.q.put(None)
                     break
                 jobs.append(j)
-            if self.metrics:
-                self.metrics.waiting.dec(sum(len(j.reqs) for j in jobs))
-            live = [j for j in jobs if not j.cancel.is_set()]
-            gen = [j for j in live if j.kind == "generate"]
+            gen = [j for j in jobs if j.kind == "generate" and not self._dropped(j)]
             if gen:
+                self._started(gen)
                 self._run_generate(gen)
-            for j in live:
-                if j.kind == "stream" and not j.cancel.is_set():
+            for j in jobs:
+                if j.kind == "stream" and not self._dropped(j):
+                    self._started([j])
                     self._run_stream(j)
+
+    def _dropped(self, job: _Job) -> bool:
+        """A job whose client went away before it started: counted out of the queue, never run."""
+        if job.cancel.is_set() and self.metrics:
+            self.metrics.waiting.dec(len(job.reqs))
+        return job.cancel.is_set()
+
+    def _started(self, jobs: List[_Job]) -> None:
+        if self.metrics:
+            self.metrics.waiting.dec(sum(len(j.reqs) for j in jobs))
 
     @staticmethod
     def _deliver(job: _Job, value) -> None:

@@ -20,7 +20,6 @@ alone; the server's peak RSS (when it was started here) and peak cache pages in 
 /metrics). Exit status 0 when there were no errors and every output equals its lone run, else 1;
 bad arguments: one line, exit 2.
 """
-import argparse
 import http.client
 import json
 import os

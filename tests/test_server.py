@@ -184,6 +184,7 @@ def test_metrics_count_what_was_served(served):
         _metric(before, "megak3_time_to_first_token_seconds_count") + 1
     assert _metric(a, 'megak3_requests_total{status="400"}') >= 1
     assert _metric(a, "megak3_requests_running") == 0 and _metric(a, "megak3_requests_waiting") == 0
+    assert 0 < _metric(a, "megak3_cache_pages_peak") == engine.cache_stats()["peak_pages"]
     assert 0 <= _metric(a, "megak3_cache_pages_used") <= _metric(a, "megak3_cache_pages_total") == engine.cache.cfg.num_pages
     assert 0 <= _metric(a, "megak3_prefix_cache_hit_rate") <= 1
     assert c.get("/health").json() == {"status": "ok"}

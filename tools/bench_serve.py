@@ -16,8 +16,8 @@ when the first text event arrives). Clients send their requests back to back; no
 Printed: for the concurrent phase, requests/s, generated tokens/s, TTFT p50/p99 (streamed
 requests), latency p50/p99 (all), errors; the same for the baseline (every request alone, one at a
 time, non-streamed) and the ratio concurrent / alone; how many outputs equal the same request
-alone; the server's peak RSS (when it was started here) and peak cache pages in use (sampled from
-/metrics). Exit status 0 when there were no errors and every output equals its lone run, else 1;
+alone; the server's peak RSS (when it was started here) and peak cache pages in use (the server's
+``megak3_cache_pages_peak``: since the server started). Exit status 0 when there were no errors and every output equals its lone run, else 1;
 bad arguments: one line, exit 2.
 """
 import http.client
@@ -104,17 +104,12 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
-class Sampler(threading.Thread):
-    """Peak ``megak3_cache_pages_used`` from /metrics and peak RSS of ``pid`` while running."""
+class Sampler:
+    """``megak3_cache_pages_peak`` from /metrics and the peak RSS of ``pid``, read once at the end."""
 
     def __init__(self, host, port, pid=None):
-        super().__init__(daemon=True)
         self.host, self.port, self.pid = host, port, pid
-        self.pages, self.pool, self.stop = 0.0, 0.0, threading.Event()
-
-    def run(self):
-        while not self.stop.wait(0.2):
-            self.sample()
+        self.pages, self.pool = 0.0, 0.0
 
     def sample(self):
         try:
@@ -124,7 +119,7 @@ class Sampler(threading.Thread):
             conn.close()
         except OSError:
             return
-        for name, attr in (("megak3_cache_pages_used", "pages"), ("megak3_cache_pages_total", "pool")):
+        for name, attr in (("megak3_cache_pages_peak", "pages"), ("megak3_cache_pages_total", "pool")):
             m = re.search(rf"^{name} (\S+)$", text, re.M)
             if m:
                 setattr(self, attr, max(getattr(self, attr), float(m.group(1))))
@@ -246,7 +241,6 @@ def main(argv=None) -> int:
     try:
         reqs = workload(a)
         sampler = Sampler(host, port, server.pid if server else None)
-        sampler.start()
         print(f"bench_serve: {a.clients} clients x {a.requests} requests, {a.prefixes} shared prefixes, "
               f"max_tokens {a.min_tokens}-{a.max_tokens}, streamed: {f'1 in {a.stream_every}' if a.stream_every else 'none'}")
         conc, secs = run_phase(host, port, reqs, a.clients, a.duration, a.timeout)
@@ -259,7 +253,6 @@ def main(argv=None) -> int:
         equal = sum(1 for i, r in zip(sent, alone) if isinstance(conc[i], tuple) and isinstance(r, tuple)
                     and conc[i][:3] == r[:3])
         print(f"outputs equal to the same request alone: {equal}/{len(reqs)}")
-        sampler.stop.set()
         sampler.sample()
         rss = sampler.peak_rss_mib()
         print(f"peak server RSS: {f'{rss:.1f} MiB' if rss is not None else 'n/a (--url)'}; "

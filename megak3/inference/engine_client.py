@@ -66,6 +66,7 @@ class EngineClient:
     def __init__(self, engine, metrics=None):
         self.engine, self.metrics = engine, metrics
         self.q: "queue.Queue[Optional[_Job]]" = queue.Queue()
+        self._stats = dict(engine.cache_stats())   # written by the engine thread only, read by /metrics
         self.thread = threading.Thread(target=self._loop, name="megak3-engine", daemon=True)
         self.thread.start()
 
@@ -174,6 +175,7 @@ class EngineClient:
             res = None
             err = e
         finally:
+            self._snapshot()
             if self.metrics:
                 self.metrics.running.dec(len(reqs))
         if res is None:
@@ -206,6 +208,7 @@ class EngineClient:
                     self.metrics.ttft.observe(time.perf_counter() - job.arrived)
                 top = self._top_one(req.prompt + toks, req.top_logprobs) if req.top_logprobs else []
                 toks.append(tok)
+                self._snapshot()
                 self._deliver(job, (tok, lp, top))
             else:
                 if self.metrics:
@@ -215,12 +218,18 @@ class EngineClient:
             self._deliver(job, e)
         finally:
             it.close()
+            self._snapshot()
             if self.metrics:
                 self.metrics.running.dec()
 
     def cache_stats(self) -> Dict[str, float]:
-        """The engine's cache counters (read from the HTTP side for /metrics; plain ints)."""
-        return self.engine.cache_stats()
+        """The engine's cache counters (``Engine.cache_stats``) as the engine thread last saw them: at
+        the start and end of every engine call and after every streamed token (the engine is never
+        touched from the HTTP side)."""
+        return self._stats
+
+    def _snapshot(self) -> None:
+        self._stats = dict(self.engine.cache_stats())
 
     @property
     def tokenizer(self):

@@ -10,7 +10,10 @@ Each server has its own registry (several servers in one process do not share co
 ``megak3_generation_tokens_per_second`` generated tokens / wall seconds of the last finished engine call
 ``megak3_prefix_cache_hit_rate``       prefix-cache hits / lookups since start (0 before any lookup)
 ``megak3_prefix_cache_hit_tokens_total`` prompt tokens served from the prefix cache
-``megak3_cache_pages_used``            device pages in use (running sequences + cached prefixes)
+``megak3_cache_pages_used``            device pages in use (running sequences + cached prefixes), as
+                                       of the engine thread's last snapshot (each engine call's start
+                                       and end, each streamed token)
+``megak3_cache_pages_peak``            most device pages in use at once since start
 ``megak3_cache_pages_total``           the page pool
 ``megak3_time_to_first_token_seconds`` histogram, arrival to first token, streamed requests (a
                                        non-streamed request gets its tokens all at once)
@@ -52,6 +55,8 @@ class ServerMetrics:
               registry=r).set_function(lambda: cache_stats().get("hit_tokens", 0))
         Gauge("megak3_cache_pages_used", "device pages in use", registry=r).set_function(
             lambda: cache_stats().get("device_pages_used", 0))
+        Gauge("megak3_cache_pages_peak", "most device pages in use at once since start", registry=r).set_function(
+            lambda: cache_stats().get("peak_pages", 0))
         Gauge("megak3_cache_pages_total", "device pages in the pool", registry=r).set(num_pages)
 
     def finished(self, tokens: int, requests: int, seconds: float) -> None:

@@ -155,3 +155,31 @@ def test_bodies_routes_methods_and_oversize(client):
                                         "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 96 - 90
     still_serving(c, model, tok)
+
+
+class _FaultyEngine:
+    """The real engine whose next generate call raises a server-side error once."""
+
+    def __init__(self, engine):
+        self.engine, self.fail = engine, True
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, prompts, params, images=None):
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("simulated fault")
+        return self.engine.generate(prompts, params, images)
+
+
+def test_a_server_fault_is_a_json_500_and_the_server_goes_on(tmp_path):
+    from fastapi.testclient import TestClient
+
+    run, model, tok = make_tiny_run(tmp_path / "run")
+    with TestClient(make_app(_FaultyEngine(Engine.from_pretrained(str(run))), "tiny"),
+                    raise_server_exceptions=False) as c:
+        r = c.post("/v1/completions", json={"prompt": "def", "max_tokens": 2})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert "simulated fault" in r.json()["error"]["message"]
+        still_serving(c, model, tok)

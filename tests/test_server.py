@@ -78,6 +78,8 @@ def test_models_and_greedy_completions_with_top_logprobs(served):
     r2 = c.post("/v1/completions", json={"prompt": [tok.encode(p) for p in prompts], "max_tokens": 8,
                                          "temperature": 0}).json()
     assert [x["text"] for x in r2["choices"]] == [x["text"] for x in r["choices"]]
+    r3 = c.post("/v1/completions", json={"prompt": "", "max_tokens": 3, "temperature": 0}).json()   # = [eos]
+    assert r3["choices"][0]["text"] == shown(tok, greedy_reference(model, [tok.eos_id], 3, eos=tok.eos_id))
 
 
 def test_n_and_seeds(served):

@@ -31,7 +31,7 @@ COMMON = {
     "user": (STR, []),
     "ignore_eos": (BOOL, []),
 }
-COMPLETION = {**COMMON, "prompt": (("str", "list"), ["", [], [[]], [-1], [True], ["a", 1], [[1], "a"], [99999]]),
+COMPLETION = {**COMMON, "prompt": (("str", "list"), [[], [[]], [-1], [True], ["a", 1], [[1], "a"], [99999]]),
               "logprobs": (INT, [-1, 6]), "echo": (BOOL, [True]), "suffix": (STR, ["tail"]),
               "best_of": (INT, [0, 2, 17])}
 CHAT = {**COMMON, "messages": (("list",), [[], [1], ["hi"]]), "max_completion_tokens": (INT, [0]),

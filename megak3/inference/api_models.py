@@ -25,7 +25,7 @@ NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
 Unit = Annotated[float, Field(allow_inf_nan=False)]
 
 FIELD_HINTS = {
-    "prompt": "must be a non-empty string, list of strings, list of token ids, or list of non-empty token-id lists",
+    "prompt": "must be a string, a non-empty list of strings, of token ids, or of non-empty token-id lists",
     "stop": f"must be a non-empty string or a list of at most {MAX_STOP} non-empty strings",
     "messages": "must be a non-empty list of {\"role\", \"content\"} objects",
 }
@@ -80,7 +80,7 @@ class UnsupportedField(ValueError):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[NonEmptyStr, Annotated[List[StrictStr], Field(min_length=1)],
+    prompt: Union[StrictStr, Annotated[List[StrictStr], Field(min_length=1)],
                   Annotated[List[TokenId], Field(min_length=1)],
                   Annotated[List[Annotated[List[TokenId], Field(min_length=1)]], Field(min_length=1)]]
     logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=5)]] = None

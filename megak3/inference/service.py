@@ -1,7 +1,7 @@
 """OpenAI requests -> engine requests -> OpenAI responses, for the HTTP server (no HTTP here).
 
 Prompts: ``prompt`` is a string, a list of strings, a list of token ids or a list of token-id lists
-(completions); ``messages`` are rendered with megak3's chat template, the one SFT trains on
+(completions; an empty string is the single token eos, as in the CLI); ``messages`` are rendered with megak3's chat template, the one SFT trains on
 (megak3/data/chat.py: ``<|bos|>role\\n content <|eos|>`` per message, then the open
 ``<|bos|>assistant\\n`` header). A message's content is a string or a list of parts: ``text`` parts
 are joined with newlines, ``image_url`` parts (megak3/inference/media.py) become the message's

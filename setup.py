@@ -38,6 +38,10 @@ RUNTIME = [
     "wandb>=0.16",
     "safetensors>=0.4",          # Hugging Face import/export (megak3/interop, tools/convert_hf.py)
     "nvidia-ml-py>=12",          # GPU telemetry; skipped with one notice when NVML is absent
+    "fastapi>=0.115",            # the OpenAI server (megak3/inference/server.py); tested 0.165.0
+    "uvicorn>=0.30",             # its ASGI server; tested 0.55.0
+    "pydantic>=2.7,<3",          # request/response schemas (megak3/inference/api_models.py); tested 2.14.4
+    "prometheus_client>=0.20",   # GET /metrics; tested 0.26.0
 ]
 DEEPSPEED = "deepspeed==0.19.8"
 RAY = "ray>=2.50,<3"

@@ -26,12 +26,14 @@ TEXT = ("def main(argv):\n    return sum(x * x for x in argv) + len(argv)\n"
 MAX_SEQ = 96
 
 
-def make_tiny_run(root: Path, seed: int = 0, max_seq_len: int = MAX_SEQ):
+def make_tiny_run(root: Path, seed: int = 0, max_seq_len: int = MAX_SEQ, **overrides):
     """A run directory: tokenizer.json + checkpoints/step_00000005 of a random-init small K3 model
-    whose vocabulary is the tokenizer's. Returns (run dir, model, tokenizer)."""
+    whose vocabulary is the tokenizer's (``overrides``: more model.* values, e.g. ``{"vision.enabled":
+    True}`` as keyword ``**{...}``). Returns (run dir, model, tokenizer)."""
     root = Path(root)
     tok = train_bpe_tokenizer([TEXT], 300, root / "tokenizer.json")
-    cfg = load_model_config("k3_tiny", **{**SMALL_MODEL, "vocab_size": tok.vocab_size, "max_seq_len": max_seq_len})
+    cfg = load_model_config("k3_tiny", **{**SMALL_MODEL, "vocab_size": tok.vocab_size, "max_seq_len": max_seq_len,
+                                          **overrides})
     model = build_model(cfg, seed=seed).eval()
     ent = {f"model/{k}": ShardEntry(v.detach(), tuple(v.shape), (0,) * v.dim()) for k, v in model.state_dict().items()}
     ShardedCheckpointer(root / "checkpoints", 0, 1).save(
@@ -171,3 +173,57 @@ def test_generates_the_same_from_a_hugging_face_export(tiny_run, tmp_path):
                      "--output", str(out)]) == 0
         outs.append(json.loads(out.read_text())["token_ids"])
     assert outs[0] == outs[1] == greedy_reference(model, tok.encode("class Point:"), 8)
+
+
+def test_images_through_the_cli(tmp_path, capsys):
+    """--image and JSONL "images": the media slots at the <image> marker (or first), and the greedy tokens
+    equal the training forward's argmax loop over the same ids and pixels; bad images exit 2."""
+    import numpy as np
+    from PIL import Image
+
+    from megak3.inference.media import image_slots, image_tensor
+
+    run, model, tok = make_tiny_run(tmp_path / "run", max_seq_len=160, **{"vision.enabled": True})
+    rng = np.random.default_rng(0)
+    for name in ("a.png", "b.png"):
+        Image.fromarray(rng.integers(0, 256, (56, 84, 3), dtype=np.uint8)).save(tmp_path / name)
+
+    def reference(before, name, after, n):
+        im = image_tensor((tmp_path / name).read_bytes(), model.config)
+        ids = (tok.encode(before) if before else []) + [tok.media_id] * image_slots(im, model.config) + \
+            tok.encode(after)
+        out = []
+        with torch.no_grad():
+            for _ in range(n):
+                out.append(int(model(torch.tensor([ids + out]), images=[im]).logits[0, -1].argmax()))
+        return ids, out
+
+    out = tmp_path / "o.jsonl"
+    assert main(["--checkpoint", str(run), "--prompt", "look <image> here", "--image", str(tmp_path / "a.png"),
+                 "--max-tokens", "5", "--ignore-eos", "--output", str(out)]) == 0
+    r = json.loads(out.read_text())
+    ids, ref = reference("look ", "a.png", " here", 5)
+    assert r["prompt_tokens"] == len(ids) and r["token_ids"] == ref
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"prompt": "look <image> here", "images": ["a.png"]}) + "\n"
+                   + json.dumps({"prompt": "what is it", "images": ["b.png"]}) + "\n" + json.dumps("plain") + "\n")
+    assert main(["--checkpoint", str(run), "--input", str(inp), "--max-tokens", "5", "--ignore-eos",
+                 "--output", str(out)]) == 0
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert recs[0]["token_ids"] == ref                          # the same request batched with others
+    assert recs[1]["token_ids"] == reference("", "b.png", "what is it", 5)[1]   # no marker: image first
+    assert recs[2]["token_ids"] == greedy_reference(model, tok.encode("plain"), 5)
+    capsys.readouterr()
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    text_run, _, _ = make_tiny_run(tmp_path / "text_run")
+    for argv, needle in (
+            (["--checkpoint", str(run), "--prompt", "a <image> b <image>", "--image", str(tmp_path / "a.png")],
+             "markers"),
+            (["--checkpoint", str(run), "--prompt", "x", "--image", str(tmp_path / "none.png")], "no such"),
+            (["--checkpoint", str(run), "--prompt", "x", "--image", str(tmp_path / "bad.png")], "not a usable"),
+            (["--checkpoint", str(run), "--prompt", "x", "--prompt", "y", "--image", str(tmp_path / "a.png")],
+             "exactly one --prompt"),
+            (["--checkpoint", str(text_run), "--prompt", "x", "--image", str(tmp_path / "a.png")], "vision")):
+        rc = main(argv)
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1 and needle in err and "Traceback" not in err, (argv, err)

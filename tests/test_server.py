@@ -1,9 +1,13 @@
-"""The OpenAI-style HTTP server (megak3/inference/server.py), driven by a real HTTP client (http.client)
-against a server on 127.0.0.1 at an ephemeral port: completions equal the full-recompute greedy loop,
-chat renders the plain template, concurrent requests are answered, streaming sends the same text in
-pieces, bad requests get HTTP 400 with a JSON message and the server keeps serving."""
+"""The OpenAI server (megak3/inference/server.py on FastAPI): completions, chat, n, seeds, logprobs and
+top_logprobs (also streamed) against the training forward; concurrent requests batched into one engine
+call; Prometheus metrics; images in chat messages. Driven by FastAPI's TestClient, plus one real uvicorn
+socket (streaming in pieces, a client that disconnects frees its sequence) and the real
+``python -m megak3.generate serve`` process. Malformed requests: tests/test_server_errors.py."""
+import base64
 import http.client
+import io
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -11,10 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from megak3.inference import Engine
-from megak3.inference.server import make_server
 from megak3.data.chat import generation_prompt
+from megak3.inference import Engine
+from megak3.inference.server import bind, make_app, uvicorn_server
 from test_generate_cli import greedy_reference, make_tiny_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,150 +27,381 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
+    from fastapi.testclient import TestClient
+
     run, model, tok = make_tiny_run(tmp_path_factory.mktemp("run"))
     engine = Engine.from_pretrained(str(run))
-    srv = _start(engine)
-    yield srv.server_address[1], model, tok, engine
-    srv.shutdown()
-    srv.server_close()
+    app = make_app(engine, "tiny")
+    with TestClient(app) as client:
+        yield client, model, tok, engine, app
 
 
-def _start(engine):
-    srv = make_server(engine, "127.0.0.1", 0, model_name="tiny")
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv
+def shown(tok, ref):
+    return tok.decode(ref[:-1] if ref and ref[-1] == tok.eos_id else ref)
 
 
-def _call(port, method, path, body=None, raw=None):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    c.request(method, path, body=data, headers={"Content-Type": "application/json"})
-    r = c.getresponse()
-    out = r.status, r.getheader("Content-Type"), r.read()
-    c.close()
-    return out
+def sse_events(text: str):
+    events = [ln[len("data: "):] for ln in text.split("\n\n") if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    return [json.loads(e) for e in events[:-1]]
 
 
-def _json(port, method, path, body=None, raw=None):
-    status, ctype, data = _call(port, method, path, body, raw)
-    assert ctype == "application/json", (status, ctype, data)
-    return status, json.loads(data)
+def training_logprobs(model, ids):
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
 
 
-def test_models_and_greedy_completions(served):
-    port, model, tok, _ = served
-    st, m = _json(port, "GET", "/v1/models")
-    assert st == 200 and m["data"][0]["id"] == "tiny" and m["data"][0]["max_model_len"] == 96
+def test_models_and_greedy_completions_with_top_logprobs(served):
+    c, model, tok, _, _ = served
+    m = c.get("/v1/models").json()
+    assert m["data"][0]["id"] == "tiny" and m["data"][0]["max_model_len"] == 96
     prompts = ["def main(", "class Point:"]
-    st, r = _json(port, "POST", "/v1/completions", {"model": "tiny", "prompt": prompts, "max_tokens": 8,
-                                                     "temperature": 0, "logprobs": 1})
-    assert st == 200 and r["object"] == "text_completion" and len(r["choices"]) == 2
+    r = c.post("/v1/completions", json={"model": "tiny", "prompt": prompts, "max_tokens": 8, "temperature": 0,
+                                        "logprobs": 3})
+    assert r.status_code == 200, r.text
+    r = r.json()
+    assert r["object"] == "text_completion" and len(r["choices"]) == 2
     for p, ch in zip(prompts, r["choices"]):
-        ref = greedy_reference(model, tok.encode(p), 8, eos=tok.eos_id)
-        shown = ref[:-1] if ref[-1] == tok.eos_id else ref
-        assert ch["text"] == tok.decode(shown)
+        ids = tok.encode(p)
+        ref = greedy_reference(model, ids, 8, eos=tok.eos_id)
+        assert ch["text"] == shown(tok, ref)
         assert ch["finish_reason"] == ("stop" if ref[-1] == tok.eos_id else "length")
-        assert len(ch["logprobs"]["token_logprobs"]) == len(ref)
+        lp = training_logprobs(model, ids + ref)
+        for i, t in enumerate(ref):            # chosen and top-3 logprobs equal the training forward's
+            row = lp[len(ids) - 1 + i]
+            assert ch["logprobs"]["token_logprobs"][i] == pytest.approx(float(row[t]), abs=1e-4)
+            top = sorted(ch["logprobs"]["top_logprobs"][i].values(), reverse=True)   # a dict by token text:
+            want = [float(v) for v in row.topk(3).values]          # alternatives that decode alike share a key
+            assert top[0] == pytest.approx(want[0], abs=1e-4)
+            assert all(min(abs(v - w) for w in want) < 1e-4 for v in top)
     assert r["usage"]["prompt_tokens"] == sum(len(tok.encode(p)) for p in prompts)
-    # token-id prompts are the same request
-    st, r2 = _json(port, "POST", "/v1/completions", {"prompt": [tok.encode(p) for p in prompts], "max_tokens": 8,
-                                                      "temperature": 0})
-    assert [c["text"] for c in r2["choices"]] == [c["text"] for c in r["choices"]]
+    r2 = c.post("/v1/completions", json={"prompt": [tok.encode(p) for p in prompts], "max_tokens": 8,
+                                         "temperature": 0}).json()
+    assert [x["text"] for x in r2["choices"]] == [x["text"] for x in r["choices"]]
+    r3 = c.post("/v1/completions", json={"prompt": "", "max_tokens": 3, "temperature": 0}).json()   # = [eos]
+    assert r3["choices"][0]["text"] == shown(tok, greedy_reference(model, [tok.eos_id], 3, eos=tok.eos_id))
+
+
+def test_n_and_seeds(served):
+    c, _, _, _, _ = served
+    body = {"prompt": ["the quick", "def"], "max_tokens": 6, "temperature": 1.0, "seed": 11, "ignore_eos": True}
+    r = c.post("/v1/completions", json={**body, "n": 3}).json()
+    assert [x["index"] for x in r["choices"]] == list(range(6))
+    # choice k = prompt k // n, copy k % n, sampled with seed + k: the same as a request of its own
+    for k in (0, 2, 4):
+        alone = c.post("/v1/completions", json={**body, "prompt": body["prompt"][k // 3], "seed": 11 + k}).json()
+        assert alone["choices"][0]["text"] == r["choices"][k]["text"]
+    assert len({x["text"] for x in r["choices"][:3]}) > 1
+    assert r["usage"]["completion_tokens"] == 36
+    assert r["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"] + len(served[2].encode("the quick"))
 
 
 def test_chat_and_concurrent_requests(served):
-    port, model, tok, _ = served
+    c, model, tok, _, _ = served
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def main("}]
-    st, r = _json(port, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 6, "temperature": 0,
-                                                          "logprobs": True})
-    assert st == 200 and r["object"] == "chat.completion"
-    ref = greedy_reference(model, generation_prompt(tok, msgs), 6, eos=tok.eos_id)   # the SFT template
-    assert r["choices"][0]["message"] == {"role": "assistant",
-                                          "content": tok.decode(ref[:-1] if ref[-1] == tok.eos_id else ref)}
-    assert len(r["choices"][0]["logprobs"]["content"]) == len(ref)
-    # eight clients at once, with seeds: every one gets its own answer, the same as alone
+    r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0, "logprobs": True,
+                                             "top_logprobs": 2}).json()
+    assert r["object"] == "chat.completion"
+    ids = generation_prompt(tok, msgs)
+    ref = greedy_reference(model, ids, 6, eos=tok.eos_id)   # the SFT template
+    assert r["choices"][0]["message"] == {"role": "assistant", "content": shown(tok, ref)}
+    content = r["choices"][0]["logprobs"]["content"]
+    lp = training_logprobs(model, ids + ref)
+    assert len(content) == len(ref)
+    for i, e in enumerate(content):
+        assert [x["logprob"] for x in e["top_logprobs"]] == pytest.approx(
+            [float(v) for v in lp[len(ids) - 1 + i].topk(2).values], abs=1e-4)
+    # parts: text parts joined with newlines render as the same conversation
+    parts = [{"role": "user", "content": [{"type": "text", "text": "def"}, {"type": "text", "text": "main("}]}]
+    rp = c.post("/v1/chat/completions", json={"messages": parts, "max_tokens": 4, "temperature": 0}).json()
+    ref = greedy_reference(model, generation_prompt(tok, [{"role": "user", "content": "def\nmain("}]), 4, tok.eos_id)
+    assert rp["choices"][0]["message"]["content"] == shown(tok, ref)
     bodies = [{"prompt": f"the quick {i}", "max_tokens": 5, "temperature": 1.0, "seed": i} for i in range(8)]
-    alone = [_json(port, "POST", "/v1/completions", b)[1]["choices"][0]["text"] for b in bodies[:2]]
+    alone = [c.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in bodies[:2]]
     got = [None] * 8
 
     def worker(i):
-        got[i] = _json(port, "POST", "/v1/completions", bodies[i])
+        got[i] = c.post("/v1/completions", json=bodies[i])
 
     ts = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
     for t in ts:
         t.start()
     for t in ts:
-        t.join(60)
-    assert all(g is not None and g[0] == 200 for g in got)
-    assert [g[1]["choices"][0]["text"] for g in got[:2]] == alone
+        t.join(120)
+    assert all(g is not None and g.status_code == 200 for g in got)
+    assert [g.json()["choices"][0]["text"] for g in got[:2]] == alone
 
 
-def _sse(port, path, body):
-    st, ctype, data = _call(port, "POST", path, body)
-    assert st == 200 and ctype == "text/event-stream", (st, data)
-    events = [ln[len("data: "):] for ln in data.decode().split("\n\n") if ln.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    return [json.loads(e) for e in events[:-1]]
-
-
-def test_streaming_sends_the_same_text(served):
-    port, model, tok, _ = served
-    body = {"prompt": "def main(", "max_tokens": 10, "temperature": 0}
-    full = _json(port, "POST", "/v1/completions", body)[1]["choices"][0]
-    ev = _sse(port, "/v1/completions", {**body, "stream": True})
+def test_streams_send_the_same_text_and_logprobs(served):
+    c, model, tok, _, _ = served
+    body = {"prompt": "def main(", "max_tokens": 10, "temperature": 0, "logprobs": 2}
+    full = c.post("/v1/completions", json=body).json()["choices"][0]
+    r = c.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    ev = sse_events(r.text)
+    usage = ev.pop()
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(full["logprobs"]["tokens"])
     assert "".join(e["choices"][0]["text"] for e in ev) == full["text"]
     assert ev[-1]["choices"][0]["finish_reason"] == full["finish_reason"]
-    assert len(ev) > 2                                                        # in pieces, not one
+    assert len(ev) > 2
+    lps = [v for e in ev if e["choices"][0]["logprobs"] for v in e["choices"][0]["logprobs"]["token_logprobs"]]
+    assert lps == pytest.approx(full["logprobs"]["token_logprobs"], abs=1e-5)
+    tops = [v for e in ev if e["choices"][0]["logprobs"] for v in e["choices"][0]["logprobs"]["top_logprobs"]]
+    assert [sorted(t.values()) for t in tops] == [pytest.approx(sorted(t.values()), abs=1e-5)
+                                                  for t in full["logprobs"]["top_logprobs"]]
     stop = full["text"][2:4]
-    ev = _sse(port, "/v1/completions", {**body, "stream": True, "stop": stop})
+    ev = sse_events(c.post("/v1/completions", json={**body, "stream": True, "stop": stop}).text)
     assert "".join(e["choices"][0]["text"] for e in ev) == full["text"][:full["text"].find(stop)]
     assert ev[-1]["choices"][0]["finish_reason"] == "stop"
-    ch = _sse(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                                             "temperature": 0, "stream": True})
+    ev = sse_events(c.post("/v1/completions", json={"prompt": "def", "n": 2, "max_tokens": 3, "temperature": 0,
+                                                    "stream": True}).text)
+    assert {e["choices"][0]["index"] for e in ev} == {0, 1}
+    ch = sse_events(c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 4, "temperature": 0, "stream": True,
+                                                         "logprobs": True}).text)
     assert ch[0]["choices"][0]["delta"] == {"role": "assistant"} and ch[-1]["choices"][0]["finish_reason"]
+    assert sum(len(e["choices"][0]["logprobs"]["content"]) for e in ch if e["choices"][0]["logprobs"]) >= 1
 
 
-def test_bad_requests_get_400_and_the_server_keeps_serving(served):
-    port, _, tok, _ = served
-    long_prompt = "the quick brown fox " * 60
-    cases = [
-        ({"prompt": "x", "temperature": -1}, "temperature"),
-        ({"prompt": "x", "top_p": 2}, "top_p"),
-        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-        ({"prompt": "x", "top_k": "a"}, "top_k"),
-        ({"prompt": "x", "seed": -3}, "seed"),
-        ({"prompt": "x", "stop": 5}, "stop"),
-        ({"prompt": "x", "n": 2}, "n"),
-        ({"prompt": "x", "echo": True}, "echo"),
-        ({"prompt": long_prompt}, "prompt"),
-        ({"prompt": [999999]}, "prompt"),
-        ({"prompt": 12}, "prompt"),
-        ({}, "prompt"),
-        ({"prompt": "x", "stream": True, "temperature": -1}, "temperature"),
-    ]
-    for body, param in cases:
-        st, r = _json(port, "POST", "/v1/completions", body)
-        assert st == 400 and r["error"]["param"] == param and r["error"]["type"] == "invalid_request_error", (body, r)
-        assert r["error"]["message"] and "\n" not in r["error"]["message"]
-    for raw in (b"{not json", b"[1, 2]"):
-        st, r = _json(port, "POST", "/v1/completions", raw=raw)
-        assert st == 400 and "JSON" in r["error"]["message"]
-    st, r = _json(port, "POST", "/v1/chat/completions", {"messages": [{"role": "user"}]})
-    assert st == 400 and r["error"]["param"] == "messages"
-    st, r = _json(port, "POST", "/v1/completions", {"model": "gpt-9", "prompt": "x"})
-    assert st == 404 and "gpt-9" in r["error"]["message"]
-    st, r = _json(port, "POST", "/v1/nothing", {"prompt": "x"})
-    assert st == 404
-    # still serving
-    st, r = _json(port, "POST", "/v1/completions", {"prompt": "def", "max_tokens": 2, "temperature": 0})
-    assert st == 200 and r["choices"][0]["finish_reason"] in ("stop", "length")
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
 
 
-def test_serve_command_starts_and_refuses_a_bad_checkpoint(tmp_path, capsys):
+def test_metrics_count_what_was_served(served):
+    c, _, _, engine, _ = served
+    before = c.get("/metrics").text
+    r = c.post("/v1/completions", json={"prompt": "def main(", "max_tokens": 5, "temperature": 0,
+                                        "ignore_eos": True}).json()
+    c.post("/v1/completions", json={"prompt": "def main(", "max_tokens": 3, "temperature": 0, "stream": True})
+    c.post("/v1/completions", json={"prompt": "x", "max_tokens": 0})
+    after = c.get("/metrics")
+    assert after.headers["content-type"].startswith("text/plain")
+    a = after.text
+    assert _metric(a, "megak3_generation_tokens_total") - _metric(before, "megak3_generation_tokens_total") == 8
+    assert r["usage"]["completion_tokens"] == 5
+    assert _metric(a, "megak3_time_to_first_token_seconds_count") == \
+        _metric(before, "megak3_time_to_first_token_seconds_count") + 1
+    assert _metric(a, 'megak3_requests_total{status="400"}') >= 1
+    assert _metric(a, "megak3_requests_running") == 0 and _metric(a, "megak3_requests_waiting") == 0
+    assert 0 < _metric(a, "megak3_cache_pages_peak") == engine.cache_stats()["peak_pages"]
+    assert 0 <= _metric(a, "megak3_cache_pages_used") <= _metric(a, "megak3_cache_pages_total") == engine.cache.cfg.num_pages
+    assert 0 <= _metric(a, "megak3_prefix_cache_hit_rate") <= 1
+    assert c.get("/health").json() == {"status": "ok"}
+    schema = c.get("/openapi.json").json()            # the pydantic models are the published schema
+    assert "/v1/chat/completions" in schema["paths"] and "ChatCompletionRequest" in schema["components"]["schemas"]
+
+
+class _GatedEngine:
+    """The real engine, its first generate call held until ``release`` is set; records the number of
+    prompts of every call. Its stream yields slowly and records how many tokens it gave."""
+
+    def __init__(self, engine):
+        self.engine, self.calls, self.release = engine, [], threading.Event()
+        self.streamed, self.stream_closed = [], threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, prompts, params, images=None):
+        self.calls.append(len(prompts))
+        if len(self.calls) == 1:
+            assert self.release.wait(60)
+        return self.engine.generate(prompts, params, images)
+
+    def stream(self, prompt, params, images=None):
+        try:
+            for item in self.engine.stream(prompt, params, images):
+                self.streamed.append(item)
+                time.sleep(0.05)
+                yield item
+        finally:
+            self.stream_closed.set()
+
+
+def test_requests_that_arrive_together_share_one_engine_call(served):
+    from fastapi.testclient import TestClient
+
+    _, model, tok, engine, _ = served
+    gated = _GatedEngine(engine)
+    app = make_app(gated, "tiny")
+    with TestClient(app) as c:
+        prompts = [f"the quick {i}" for i in range(6)]
+        got = {}
+
+        def worker(i):
+            got[i] = c.post("/v1/completions", json={"prompt": prompts[i], "max_tokens": 4, "temperature": 0})
+
+        first = threading.Thread(target=worker, args=(0,))
+        first.start()
+        deadline = time.time() + 30
+        while not gated.calls and time.time() < deadline:
+            time.sleep(0.01)
+        rest = [threading.Thread(target=worker, args=(i,)) for i in range(1, 6)]
+        for t in rest:
+            t.start()
+        while app.state.client.q.qsize() < 5 and time.time() < deadline:
+            time.sleep(0.01)
+        gated.release.set()
+        for t in [first] + rest:
+            t.join(60)
+        assert gated.calls == [1, 5]                          # the five waiting requests went in one call
+        for i, p in enumerate(prompts):
+            ref = greedy_reference(model, tok.encode(p), 4, eos=tok.eos_id)
+            assert got[i].status_code == 200 and got[i].json()["choices"][0]["text"] == shown(tok, ref)
+
+
+def _post(port, body):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json"})
+        return json.loads(conn.getresponse().read())
+    finally:
+        conn.close()
+
+
+def test_uvicorn_socket_streams_in_pieces_and_a_disconnect_frees_the_sequence(served):
+    _, model, tok, engine, _ = served
+    gated = _GatedEngine(engine)
+    gated.release.set()
+    app = make_app(gated, "tiny")
+    sock = bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    server = uvicorn_server(app)
+    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    try:
+        body = json.dumps({"prompt": "def", "max_tokens": 80, "temperature": 0, "ignore_eos": True,
+                           "stream": True}).encode()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/event-stream")
+        first = resp.readline()                     # the first event arrives before the stream ends
+        assert first.startswith(b"data: {") and len(gated.streamed) < 80
+        conn.sock.shutdown(2)
+        conn.close()
+        assert gated.stream_closed.wait(30)           # the engine's stream was closed: its pages are freed
+        assert len(gated.streamed) < 80 and not engine.cache.seqs
+        # a queued request whose client went away is dropped: hold one engine call, queue a second, hang up
+        gated.calls.clear()
+        gated.release.clear()
+        held = threading.Thread(target=lambda: _post(port, {"prompt": "a", "max_tokens": 2}), daemon=True)
+        held.start()
+        deadline = time.time() + 30
+        while not gated.calls and time.time() < deadline:
+            time.sleep(0.01)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "b", "max_tokens": 2}).encode(),
+                     headers={"Content-Type": "application/json"})
+        while app.state.client.q.qsize() < 1 and time.time() < deadline:
+            time.sleep(0.01)
+        conn.sock.shutdown(2)
+        conn.close()
+        time.sleep(1.0)                                 # the server polls for a disconnect every 0.25 s
+        gated.release.set()
+        held.join(60)
+        assert gated.calls == [1]                       # the hung-up request never reached the engine
+        # and the server goes on serving
+        r = _post(port, {"prompt": "def", "max_tokens": 3, "temperature": 0})
+        assert r["choices"][0]["text"] == shown(tok, greedy_reference(model, tok.encode("def"), 3, tok.eos_id))
+    finally:
+        server.should_exit = True
+        th.join(30)
+
+
+# ------------------------------------------------------------------------------------------------ images
+def _png(seed: int, size=(56, 56)) -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def vision_served(tmp_path_factory):
+    from fastapi.testclient import TestClient
+
+    root = tmp_path_factory.mktemp("vision")
+    run, model, tok = make_tiny_run(root / "run", max_seq_len=160, **{"vision.enabled": True})
+    media = root / "media"
+    media.mkdir()
+    (media / "a.png").write_bytes(_png(1))
+    (root / "secret.png").write_bytes(_png(2))
+    os.symlink(root / "secret.png", media / "link.png")
+    engine = Engine.from_pretrained(str(run))
+    with TestClient(make_app(engine, "tiny", allowed_media_dir=str(media))) as client:
+        yield client, model, tok, media
+
+
+def _image_reference(model, tok, text, raw, n):
+    from megak3.inference.media import image_slots, image_tensor
+
+    im = image_tensor(raw, model.config)
+    ids = generation_prompt(tok, [{"role": "user", "content": text, "images": ["x"]}], [image_slots(im, model.config)])
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            t = int(model(torch.tensor([ids + out]), images=[im]).logits[0, -1].argmax())
+            out.append(t)
+            if t == tok.eos_id:
+                break
+    return out
+
+
+def test_chat_images_from_data_urls_and_allowed_files(vision_served):
+    c, model, tok, media = vision_served
+
+    def ask(url):
+        return c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what is it"}]}],
+            "max_tokens": 4, "temperature": 0})
+
+    raws = [_png(1), _png(3)]
+    texts = []
+    for raw in raws:   # the same text with two images: each equals the training forward with its image
+        r = ask("data:image/png;base64," + base64.b64encode(raw).decode())
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["message"]["content"])
+        assert texts[-1] == shown(tok, _image_reference(model, tok, "what is it", raw, 4))
+    r = ask(f"file://{media / 'a.png'}")               # the same bytes as raws[0], from the allowed directory
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == texts[0]
+    for url, needle in ((f"file://{media.parent / 'secret.png'}", "allowed-local-media-path"),
+                        (f"file://{media / 'link.png'}", "allowed-local-media-path"),   # a symlink out of it
+                        (f"file://{media / 'none.png'}", "no such"),
+                        ("http://127.0.0.1/a.png", "fetches nothing"),
+                        ("data:image/png;base64,@@@", "base64"),
+                        ("data:image/png;base64," + base64.b64encode(b"not a png").decode(), "not a usable image")):
+        r = ask(url)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], (url, r.text)
+        assert r.json()["error"]["param"].startswith("messages[0].content[0]")
+    assert str(media.parent) not in json.dumps(r.json())
+
+
+def test_images_refused_without_a_vision_tower_or_a_media_directory(served, vision_served):
+    c = served[0]
+    url = "data:image/png;base64," + base64.b64encode(_png(1)).decode()
+    r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}]}]})
+    assert r.status_code == 400 and "vision" in r.json()["error"]["message"]
+    r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]})
+    assert r.status_code == 400 and "--allowed-local-media-path" in r.json()["error"]["message"]
+
+
+def test_serve_command_starts_and_refuses_bad_options(tmp_path, capsys):
     from megak3.inference.cli import main
 
     for argv, needle in ((["serve", "--checkpoint", str(tmp_path / "none"), "--port", "0"], "no such"),
-                         (["serve", "--checkpoint", str(tmp_path), "--port", "70000"], "--port")):
+                         (["serve", "--checkpoint", str(tmp_path), "--port", "70000"], "--port"),
+                         (["serve", "--checkpoint", str(tmp_path), "--allowed-local-media-path",
+                           str(tmp_path / "nope")], "--allowed-local-media-path")):
         try:
             rc = main(argv)
         except SystemExit as e:
@@ -180,65 +416,17 @@ def test_serve_command_starts_and_refuses_a_bad_checkpoint(tmp_path, capsys):
         line = p.stdout.readline()
         assert line.startswith("serving tiny on http://127.0.0.1:"), (line, p.stderr.read() if p.poll() else "")
         port = int(line.split("http://127.0.0.1:")[1].split(" ")[0])
-        deadline = time.time() + 30
-        st, r = _json(port, "POST", "/v1/completions", {"prompt": "def", "max_tokens": 3, "temperature": 0})
-        ref = greedy_reference(model, tok.encode("def"), 3, eos=tok.eos_id)
-        assert st == 200 and time.time() < deadline
-        assert r["choices"][0]["text"] == tok.decode(ref[:-1] if ref[-1] == tok.eos_id else ref)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "def", "max_tokens": 3,
+                                                                 "temperature": 0}).encode(),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        r = json.loads(resp.read())
+        assert resp.status == 200
+        assert r["choices"][0]["text"] == shown(tok, greedy_reference(model, tok.encode("def"), 3, tok.eos_id))
+        conn.request("DELETE", "/v1/completions")
+        resp = conn.getresponse()
+        assert resp.status == 405 and json.loads(resp.read())["error"]["message"]
     finally:
         p.terminate()
         p.wait(30)
-
-
-class _GatedEngine:
-    """The real engine, with its first generate call held until ``release`` is set; records the
-    number of prompts of every call."""
-
-    def __init__(self, engine):
-        self.engine, self.calls, self.release = engine, [], threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def generate(self, prompts, params):
-        self.calls.append(len(prompts))
-        if len(self.calls) == 1:
-            assert self.release.wait(60)
-        return self.engine.generate(prompts, params)
-
-
-def test_requests_that_arrive_together_share_one_engine_call(served):
-    _, model, tok, engine = served
-    gated = _GatedEngine(engine)
-    srv = _start(gated)
-    port = srv.server_address[1]
-    try:
-        prompts = [f"the quick {i}" for i in range(6)]
-        got = {}
-
-        def worker(i):
-            got[i] = _json(port, "POST", "/v1/completions", {"prompt": prompts[i], "max_tokens": 4, "temperature": 0})
-
-        first = threading.Thread(target=worker, args=(0,))
-        first.start()
-        deadline = time.time() + 30
-        while not gated.calls and time.time() < deadline:
-            time.sleep(0.01)
-        rest = [threading.Thread(target=worker, args=(i,)) for i in range(1, 6)]
-        for t in rest:
-            t.start()
-        batcher = srv.RequestHandlerClass.service.batcher
-        while batcher.q.qsize() < 5 and time.time() < deadline:
-            time.sleep(0.01)
-        gated.release.set()
-        for t in [first] + rest:
-            t.join(60)
-        assert gated.calls == [1, 5]                          # the five waiting requests went in one call
-        for i, p in enumerate(prompts):
-            ref = greedy_reference(model, tok.encode(p), 4, eos=tok.eos_id)
-            assert got[i][0] == 200
-            assert got[i][1]["choices"][0]["text"] == tok.decode(ref[:-1] if ref[-1] == tok.eos_id else ref)
-    finally:
-        gated.release.set()
-        srv.shutdown()
-        srv.server_close()

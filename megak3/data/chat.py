@@ -83,9 +83,10 @@ def encode_chat(tokenizer, messages: Sequence[dict], image_tokens: Sequence[int]
     return ids, mask
 
 
-def generation_prompt(tokenizer, messages: Sequence[dict]) -> List[int]:
-    """Ids of ``messages`` followed by the open assistant header: what the engine continues."""
-    ids, _ = encode_chat(tokenizer, messages) if messages else ([], [])
+def generation_prompt(tokenizer, messages: Sequence[dict], image_tokens: Sequence[int] = ()) -> List[int]:
+    """Ids of ``messages`` followed by the open assistant header: what the engine continues
+    (``image_tokens`` as in :func:`encode_chat`)."""
+    ids, _ = encode_chat(tokenizer, messages, image_tokens) if messages else ([], [])
     return ids + _header(tokenizer, TRAINED_ROLE)
 
 

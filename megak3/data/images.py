@@ -121,8 +121,6 @@ def load_image(path: PathLike, max_input_pixels: int = DEFAULT_MAX_INPUT_PIXELS,
 
     Raises :class:`ImageSkip` (see the module docstring); never any other exception for bad data.
     """
-    from PIL import Image, UnidentifiedImageError
-
     p = Path(path)
     if not p.is_file():
         raise ImageSkip("missing", str(p))
@@ -130,8 +128,18 @@ def load_image(path: PathLike, max_input_pixels: int = DEFAULT_MAX_INPUT_PIXELS,
         raw = p.read_bytes()
     except OSError as e:
         raise ImageSkip("missing", f"{p}: {e.strerror}") from None
+    arr, conv = decode_image(raw, str(p), max_input_pixels, odd_modes)
+    return arr, raw, conv
+
+
+def decode_image(raw: bytes, p: str = "<bytes>", max_input_pixels: int = DEFAULT_MAX_INPUT_PIXELS,
+                 odd_modes: str = "convert") -> Tuple[np.ndarray, Optional[str]]:
+    """Decode an image file's bytes -> (uint8 [H, W, 3] RGB, converted-from mode or None); ``p``
+    names it in messages. Raises :class:`ImageSkip` like :func:`load_image`."""
+    from PIL import Image, UnidentifiedImageError
+
     if not raw:
-        raise ImageSkip("empty", str(p))
+        raise ImageSkip("empty", p)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -150,7 +158,7 @@ def load_image(path: PathLike, max_input_pixels: int = DEFAULT_MAX_INPUT_PIXELS,
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, MemoryError,
             struct.error, IndexError, TypeError) as e:
         raise ImageSkip("corrupt", f"{p}: {type(e).__name__}: {e}") from None
-    return arr, raw, conv
+    return arr, conv
 
 
 def resize_to(arr_HW3: np.ndarray, H: int, W: int) -> np.ndarray:

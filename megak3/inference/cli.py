@@ -2,13 +2,17 @@
 
     python -m megak3.generate --checkpoint runs/X --prompt "def main(" --max-tokens 32
     python -m megak3.generate --checkpoint runs/X --input prompts.jsonl --output out.jsonl --temperature 0.8 --seed 1
+    python -m megak3.generate --checkpoint runs/X --prompt "<image> A photo of" --image cat.png
     python -m megak3.generate serve --checkpoint runs/X --port 8000      # OpenAI-style HTTP (server.py)
 
 ``--checkpoint`` is anything :meth:`megak3.inference.Engine.from_pretrained` loads: a run directory,
 a checkpoint root or ``step_XXXXXXXX`` directory of any training layout, or a Hugging Face export.
 ``--input`` is a JSONL file, one prompt per line: a JSON string, or an object with ``"prompt"`` and
 optionally its own ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop`` (they
-replace the command line's values for that prompt). All prompts go to one ``Engine.generate`` call
+replace the command line's values for that prompt) and ``images`` (image files, relative paths
+from the JSONL file's directory). Images (``--image FILE``, repeatable, with one ``--prompt``) go
+where the prompt has ``<image>`` markers, one per image, or before the text when it has none; each
+becomes the vision tower's ``<|media|>`` slots (megak3/inference/media.py). All prompts go to one ``Engine.generate`` call
 (continuously batched); results come back in input order. With ``--seed S`` prompt ``i`` samples
 with seed ``S + i`` (a line's own ``seed`` wins). Prompts are encoded as they are (no bos: the
 training data has none; documents end with eos); an empty prompt is the single token eos.
@@ -17,8 +21,9 @@ Output: without ``--output`` each prompt's generated text is printed, one block 
 ``--output FILE`` one JSON object per prompt is written (``index, prompt, text, finish_reason,
 prompt_tokens, token_ids, logprobs``) and a one-line summary is printed.
 
-Bad input (a missing checkpoint, an unreadable or malformed --input, a prompt that leaves no room in
-the model's context, a bad sampling value) is one line on stderr and exit status 2, checked before
+Bad input (a missing checkpoint, an unreadable or malformed --input, a missing or undecodable image,
+images for a model without a vision tower, a prompt that leaves no room in the model's context, a
+bad sampling value) is one line on stderr and exit status 2, checked before
 the model is loaded wherever it can be (the context length needs the loaded model).
 """
 from __future__ import annotations
@@ -33,7 +38,6 @@ from typing import List, Optional
 
 from megak3.cli import Parser, error_exit
 from megak3.inference.options import add_model_args, load_engine
-from megak3.inference.server import serve_main
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 """per-prompt fields a JSONL line may set"""
@@ -55,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="prompt i samples with seed SEED + i")
     p.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at eos")
+    p.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image for the (single) --prompt, at its next <image> marker (repeatable)")
     return p
 
 
@@ -75,10 +81,14 @@ def read_jsonl_prompts(path: str) -> List[dict]:
             rec = {"prompt": rec}
         if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
             raise ValueError(f"--input {path}:{n}: expected a JSON string or an object with a string \"prompt\"")
-        unknown = sorted(set(rec) - {"prompt", *SAMPLING_KEYS})
+        unknown = sorted(set(rec) - {"prompt", "images", *SAMPLING_KEYS})
         if unknown:
-            raise ValueError(f"--input {path}:{n}: unknown field {unknown[0]!r}; allowed: prompt, "
+            raise ValueError(f"--input {path}:{n}: unknown field {unknown[0]!r}; allowed: prompt, images, "
                              f"{', '.join(SAMPLING_KEYS)}")
+        imgs = rec.get("images", [])
+        if not isinstance(imgs, list) or not all(isinstance(x, str) and x for x in imgs):
+            raise ValueError(f"--input {path}:{n}: \"images\" must be a list of image file paths")
+        rec["images"] = [str(p.parent / x) for x in imgs]
         if isinstance(rec.get("stop"), str):
             rec["stop"] = [rec["stop"]]
         out.append(rec)
@@ -108,15 +118,28 @@ def request_params(base, recs: List[dict]) -> list:
     return out
 
 
-def encode_prompts(engine, texts: List[str]) -> List[List[int]]:
-    """Token ids of each prompt (an empty prompt is [eos]); InferenceError when one leaves no room to
+def read_images(recs: List[dict]) -> List[List[bytes]]:
+    """The bytes of every record's image files (checked before the model loads)."""
+    from megak3.inference.media import read_local_image
+
+    return [[read_local_image(f) for f in rec.get("images", ())] for rec in recs]
+
+
+def encode_prompts(engine, texts: List[str], images: Optional[List[list]] = None) -> List[List[int]]:
+    """Token ids of each prompt (an empty prompt is [eos]; ``images[i]``: prompt i's image tensors,
+    whose ``<|media|>`` slots go at its ``<image>`` markers); InferenceError when one leaves no room to
     generate in the model's context."""
     from megak3.inference import InferenceError
+    from megak3.inference.media import image_slots, prompt_with_images
 
     tok = engine.tokenizer
     out = []
     for i, t in enumerate(texts):
-        ids = tok.encode(t) or [tok.eos_id]
+        ims = images[i] if images else None
+        if ims:
+            ids = prompt_with_images(tok, t, [image_slots(im, engine.model.config) for im in ims])
+        else:
+            ids = tok.encode(t) or [tok.eos_id]
         if len(ids) >= engine.max_context:
             raise InferenceError(f"prompt {i} has {len(ids)} tokens; the model's context is {engine.max_context} "
                                  "tokens (max_context): shorten the prompt")
@@ -130,7 +153,10 @@ def generate_main(argv: Optional[List[str]] = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     try:
-        recs = read_jsonl_prompts(a.input) if a.input else [{"prompt": t} for t in a.prompt]
+        if a.image and (a.input or len(a.prompt) != 1):
+            raise ValueError("--image goes with exactly one --prompt; give each --input line its own \"images\"")
+        recs = read_jsonl_prompts(a.input) if a.input else [{"prompt": t, "images": a.image} for t in a.prompt]
+        raw_images = read_images(recs)
         base = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                               seed=a.seed, stop=tuple(a.stop), ignore_eos=a.ignore_eos)
         params = request_params(base, recs)
@@ -139,9 +165,16 @@ def generate_main(argv: Optional[List[str]] = None) -> int:
         if a.output and not Path(a.output).resolve().parent.is_dir():
             raise ValueError(f"--output {a.output}: directory {Path(a.output).resolve().parent} does not exist")
         engine = load_engine(a)
-        ids = encode_prompts(engine, [r["prompt"] for r in recs])
+        images = None
+        if any(raw_images):
+            from megak3.inference.media import image_tensor
+
+            dev = next(engine.model.parameters()).device
+            images = [[image_tensor(raw, engine.model.config, f).to(dev) for raw, f in zip(raws, rec["images"])]
+                      or None for raws, rec in zip(raw_images, recs)]
+        ids = encode_prompts(engine, [r["prompt"] for r in recs], images)
         t0 = time.perf_counter()
-        results = engine.generate(ids, params)
+        results = engine.generate(ids, params, images)
         seconds = time.perf_counter() - t0
     except ValueError as e:  # InferenceError included: a user error, one line
         return error_exit(p.prog, e)
@@ -164,5 +197,7 @@ def generate_main(argv: Optional[List[str]] = None) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:
+        from megak3.inference.server import serve_main
+
         return serve_main(argv[1:])
     return generate_main(argv)

@@ -1,0 +1,68 @@
+"""The server's Prometheus metrics (``GET /metrics``, text exposition format, prometheus_client).
+
+Each server has its own registry (several servers in one process do not share counters):
+
+``megak3_requests_running``            prompts inside an engine call now
+``megak3_requests_waiting``            prompts queued for the engine thread
+``megak3_requests_total{status}``      finished HTTP generation requests by status code
+``megak3_prompt_tokens_total``         prompt tokens of answered requests
+``megak3_generation_tokens_total``     generated tokens
+``megak3_generation_tokens_per_second`` generated tokens / wall seconds of the last finished engine call
+``megak3_prefix_cache_hit_rate``       prefix-cache hits / lookups since start (0 before any lookup)
+``megak3_prefix_cache_hit_tokens_total`` prompt tokens served from the prefix cache
+``megak3_cache_pages_used``            device pages in use (running sequences + cached prefixes), as
+                                       of the engine thread's last snapshot (each engine call's start
+                                       and end, each streamed token)
+``megak3_cache_pages_peak``            most device pages in use at once since start
+``megak3_cache_pages_total``           the page pool
+``megak3_time_to_first_token_seconds`` histogram, arrival to first token, streamed requests (a
+                                       non-streamed request gets its tokens all at once)
+``megak3_request_latency_seconds``     histogram, arrival to the last byte of the response body
+"""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ServerMetrics:
+    """The gauges, counters and histograms above; ``cache_stats`` is a zero-argument callable returning
+    ``Engine.cache_stats()``'s dict (read at scrape time) and ``num_pages`` the pool size."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, cache_stats, num_pages: int):
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("megak3_requests_running", "prompts inside an engine call", registry=r)
+        self.waiting = Gauge("megak3_requests_waiting", "prompts queued for the engine thread", registry=r)
+        self.requests = Counter("megak3_requests", "finished generation requests", ["status"], registry=r)
+        self.prompt_tokens = Counter("megak3_prompt_tokens", "prompt tokens of answered requests", registry=r)
+        self.gen_tokens = Counter("megak3_generation_tokens", "generated tokens", registry=r)
+        self.tps = Gauge("megak3_generation_tokens_per_second",
+                         "generated tokens / wall seconds of the last finished engine call", registry=r)
+        self.ttft = Histogram("megak3_time_to_first_token_seconds", "arrival to first token (streamed requests)",
+                              buckets=BUCKETS, registry=r)
+        self.latency = Histogram("megak3_request_latency_seconds", "arrival to the end of the response",
+                                 buckets=BUCKETS, registry=r)
+
+        def hit_rate():
+            s = cache_stats()
+            return s["hits"] / s["lookups"] if s.get("lookups") else 0.0
+
+        Gauge("megak3_prefix_cache_hit_rate", "prefix-cache hits / lookups", registry=r).set_function(hit_rate)
+        Gauge("megak3_prefix_cache_hit_tokens_total", "prompt tokens served from the prefix cache",
+              registry=r).set_function(lambda: cache_stats().get("hit_tokens", 0))
+        Gauge("megak3_cache_pages_used", "device pages in use", registry=r).set_function(
+            lambda: cache_stats().get("device_pages_used", 0))
+        Gauge("megak3_cache_pages_peak", "most device pages in use at once since start", registry=r).set_function(
+            lambda: cache_stats().get("peak_pages", 0))
+        Gauge("megak3_cache_pages_total", "device pages in the pool", registry=r).set(num_pages)
+
+    def finished(self, tokens: int, requests: int, seconds: float) -> None:
+        """An engine call (a batch or one stream) produced ``tokens`` in ``seconds``."""
+        self.gen_tokens.inc(tokens)
+        self.tps.set(tokens / seconds if seconds > 0 else 0.0)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

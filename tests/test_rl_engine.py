@@ -95,6 +95,21 @@ def test_paused_and_resumed_sample_is_token_identical(tok, pause_steps):
     assert used is None or used > 0
 
 
+def test_rollouts_of_two_buffers_share_one_sampler(tok):
+    # issue 35: both buffers number their uids from 0; PartialRollouts used to key its samples by uid
+    # and crashed with "TypeError: 'NoneType' object is not subscriptable"
+    runner = RLRunner(make_job(), RLConfig(), tok, engine_options=ENGINE)
+    prompt = [tok.bos_id] + tok.encode("user\nWhat is 2 + 5?") + [tok.eos_id, tok.bos_id] + tok.encode("assistant\n")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    a, b = RolloutBuffer(2).add_prompt(prompt, budget=6), RolloutBuffer(2).add_prompt(prompt[:-2], budget=6)
+    assert [r.uid for r in a] == [r.uid for r in b]
+    sampler = PartialRollouts(runner.engine, params)
+    assert sampler.run(a + b, version=0) == 4
+    want = runner.engine.generate([prompt, prompt[:-2]], params)
+    assert all(r.finished for r in a + b) and sampler.live == {}
+    assert [r.token_ids for r in (a[0], b[0])] == [w.token_ids for w in want]
+
+
 def test_partial_rollout_iterations_record_versions_and_keep_budgets(tok):
     rl = RLConfig(prompts=3, group_size=2, max_tokens=12, temperature=1.0, partial_fraction=0.5, iterations=3)
     runner = RLRunner(make_job(), rl, tok, engine_options=ENGINE)

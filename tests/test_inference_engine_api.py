@@ -1,0 +1,92 @@
+"""The engine's public sequence API (begin / step / pause / resume / release / abort), admission
+after a prefix hit in a tight pool, and preemption by recompute when decoding overflows the pool."""
+import pytest
+import torch
+
+from megak3.inference import Engine, InferenceError, SamplingParams
+from test_inference_decode import small_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return small_model("plain", seed=7)
+
+
+def _ids(n, seed):
+    return torch.randint(4, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_handles_step_pause_resume_release(model):
+    eng = Engine(model, page_size=4, checkpoint_interval=8, prefill_chunk=8, num_pages=400)
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    want = eng.generate([_ids(11, 1), _ids(6, 2)], sp)
+    a, b = eng.begin(_ids(11, 1), sp), eng.begin(_ids(6, 2), sp)
+    assert a.id != b.id and eng.live() == [a, b]
+    got = {a.id: [], b.id: []}
+    for h, tok, _ in eng.step():
+        got[h.id].append(tok)
+    eng.pause(b)
+    with pytest.raises(InferenceError, match="paused"):
+        eng.step([b])
+    while not a.finished:                       # b is left out of step() while paused
+        for h, tok, _ in eng.step():
+            assert h is a
+            got[a.id].append(tok)
+    eng.resume(b)
+    while not b.finished:
+        for h, tok, _ in eng.step([b]):
+            got[b.id].append(tok)
+    assert got[a.id] == want[0].token_ids and got[b.id] == want[1].token_ids
+    assert eng.completion(b).logprobs == pytest.approx(want[1].logprobs, abs=1e-6)
+    assert eng.live() == [] and eng.cache.seqs == {}
+    # abort frees an unfinished sequence; handles of another engine are refused
+    c = eng.begin(_ids(9, 3), SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.step([c])
+    assert c.admitted and c.id in eng.cache.seqs
+    eng.abort(c)
+    assert c.finish_reason == "abort" and c.id not in eng.cache.seqs and eng.live() == []
+    other = Engine(model, page_size=4, checkpoint_interval=8, num_pages=100)
+    with pytest.raises(InferenceError, match="this engine"):
+        other.release(a)
+
+
+def test_closing_a_stream_frees_its_sequence(model):
+    eng = Engine(model, page_size=4, checkpoint_interval=8, prefill_chunk=8, num_pages=400)
+    it = eng.stream(_ids(10, 4), SamplingParams(max_tokens=30, ignore_eos=True))
+    next(it), next(it)
+    it.close()                                  # a disconnected client
+    assert eng.live() == [] and eng.cache.seqs == {} and eng.cache.reserved == 0
+
+
+def test_tight_pool_after_a_prefix_hit_serves_what_a_cold_engine_serves(model):
+    # issue 36: 40 pages of 16 tokens; a cached prefix with its KDA checkpoint (9 pages) would be
+    # pinned by the hit; before, CacheManager.begin raised next to the running 420-token prompt
+    opts = dict(page_size=16, checkpoint_interval=64, num_pages=40, prefill_chunk=64)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    long, short = _ids(420, 1), _ids(100, 2)
+    eng = Engine(model, **opts)
+    eng.generate([short[:90] + [5] * 10], sp)   # caches short's first 90 tokens (checkpoint at 64)
+    got = eng.generate([long, short], sp)
+    want = Engine(model, **opts).generate([long, short], sp)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+    assert eng.cache.seqs == {} and eng.cache.reserved == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_overflowing_the_pool_mid_decode_preempts_and_recomputes_exactly(model, temperature):
+    # 4 sequences of 12-15 + 24 tokens need 9-10 pages of 4 tokens each at the end, > 24 pages
+    # together: decoding runs out, the newest is preempted, recomputed, and continues
+    opts = dict(page_size=4, checkpoint_interval=16, prefill_chunk=16)
+    prompts = [_ids(12 + i, 10 + i) for i in range(4)]
+    params = [SamplingParams(max_tokens=24, temperature=temperature, seed=100 + i, ignore_eos=True)
+              for i in range(4)]
+    eng = Engine(model, num_pages=24, **opts)
+    got = eng.generate(prompts, params)
+    assert eng.preemptions > 0
+    for p, sp, g in zip(prompts, params, got):
+        alone = Engine(model, num_pages=400, **opts).generate([p], sp)[0]
+        assert g.token_ids == alone.token_ids and len(g.token_ids) == 24
+        assert g.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+    assert eng.cache.seqs == {} and eng.cache.reserved == 0

@@ -226,10 +226,12 @@ class Engine:
             self.abort(h)
 
     def score(self, seqs: List[List[int]]) -> List[Scored]:
-        """log p(ids[i] | ids[:i]) and whether ids[i] is the argmax, for i = 1 .. n-1 of each sequence."""
+        """log p(ids[i] | ids[:i]) and whether ids[i] is the argmax, for i = 1 .. n-1 of each sequence
+        (at most ``max_context + 1`` tokens: the forward runs over ``ids[:-1]``, like a Hugging Face
+        model scoring a full-context window)."""
         out = []
         for ids in seqs:
-            self._check_ids(ids, "seqs", allow_full=True)
+            self._check_ids(ids, "seqs", extra=2)
             if len(ids) < 2:
                 out.append(Scored([], []))
                 continue
@@ -272,18 +274,20 @@ class Engine:
         if not isinstance(h, SeqHandle) or h.engine_id != self._engine_id:
             raise InferenceError("not a sequence handle of this engine (use the one Engine.begin returned)")
 
-    def _check_ids(self, ids, what: str, allow_full: bool = False) -> None:
+    def _check_ids(self, ids, what: str, extra: int = 0) -> None:
+        """Token ids in the vocabulary, at most ``max_context - 1 + extra`` of them (a prompt leaves
+        room for one new token; ``score`` predicts its last token without feeding it: extra=2)."""
         V = self.model.config.vocab_size
         if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(t, int) for t in ids):
             raise InferenceError(f"{what}: every entry must be a non-empty list of token ids")
         bad = next((t for t in ids if not 0 <= t < V), None)
         if bad is not None:
             raise InferenceError(f"{what}: token id {bad} is outside the vocabulary [0, {V})")
-        limit = self.max_context if allow_full else self.max_context - 1
+        limit = self.max_context - 1 + extra
         if len(ids) > limit:
+            room = "leaving room for one new token" if extra == 0 else f"at most {limit} tokens to score"
             raise InferenceError(f"{what}: {len(ids)} tokens exceed the context ({self.max_context} tokens, "
-                                 f"model.max_seq_len, {'' if allow_full else 'leaving room for one new token'}); "
-                                 "shorten the prompt")
+                                 f"model.max_seq_len, {room}); shorten the prompt")
 
     def _handle(self, prompt, params, images, max_new) -> SeqHandle:
         return SeqHandle(next(self._ids), prompt, params, images, max_new, make_generator(params), list(prompt),
@@ -412,6 +416,8 @@ class Engine:
                     batch.remove(v)
                 if v is h:
                     break
+            if h in batch:   # take the page now: the next sequence's check sees it gone
+                self.runner.execute(self.cache.grow(h.id, h.fed + 1))
         return batch
 
     def _begin(self, s: SeqHandle, lookup: bool = True, headroom: int = 0) -> bool:

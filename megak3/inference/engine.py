@@ -344,14 +344,12 @@ class Engine:
             if not self._admit(h, active, headroom=(running if self.preempt else 0) if running else None):
                 break   # wait for a running sequence to free its pages
             prefilling.append(h)
-        if prefilling:
+        if prefilling:   # a sequence whose prefill ends here decodes from the next iteration on
             h = prefilling[0]
             logits = self._prefill_chunk(h)
             if h.fed == h.pre:
                 h.x0 = None
                 yield from self._emit(h, logits)
-                if h.finish is None:
-                    decoding.append(h)
         if decoding:
             decoding = self._make_room(decoding, active)
         if decoding:

@@ -90,3 +90,28 @@ def test_overflowing_the_pool_mid_decode_preempts_and_recomputes_exactly(model, 
         assert g.token_ids == alone.token_ids and len(g.token_ids) == 24
         assert g.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
     assert eng.cache.seqs == {} and eng.cache.reserved == 0
+
+
+def test_generate_with_images_equals_the_training_forward_and_salts_the_cache():
+    from megak3.config import load_model_config
+    from megak3.model.k3 import build_model
+    from parallel.testing import PARITY_MODEL
+
+    model = build_model(load_model_config("k3_tiny", **{**PARITY_MODEL, "vision.enabled": True}), seed=0).eval()
+    imgs = [torch.randn(3, 56, 56, generator=torch.Generator().manual_seed(s)) for s in (0, 1)]
+    media = model.config.media_placeholder_token_id
+    ids = [5, 6, 7] + [media] * model.vision.num_tokens(56, 56) + list(range(10, 30))
+    eng = Engine(model, page_size=8, checkpoint_interval=8, prefill_chunk=16, num_pages=400)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    for img in imgs:
+        got = eng.generate([ids], sp, images=[[img]])[0]
+        seq = list(ids)
+        with torch.no_grad():
+            for _ in range(4):   # full-recompute greedy loop over the training forward
+                seq.append(int(model(torch.tensor([seq]), images=[img]).logits[0, -1].argmax()))
+        assert got.token_ids == seq[len(ids):]
+        assert eng.cache.stats["hits"] == 0   # the second image's prompt does not hit the first's blocks
+    again = eng.generate([ids + [40]], sp, images=[[imgs[0]]])[0]
+    assert eng.cache.stats["hits"] == 1 and len(again.token_ids) == 4
+    with pytest.raises(InferenceError, match="images"):
+        eng.generate([ids, ids], sp, images=[[imgs[0]]])

@@ -115,3 +115,29 @@ def test_generate_with_images_equals_the_training_forward_and_salts_the_cache():
     assert eng.cache.stats["hits"] == 1 and len(again.token_ids) == 4
     with pytest.raises(InferenceError, match="images"):
         eng.generate([ids, ids], sp, images=[[imgs[0]]])
+
+
+def test_bf16_page_pool_bound_and_exact_fp32_checkpoints(model):
+    p = _ids(60, 3)
+    with torch.no_grad():
+        ref = model(torch.tensor([p])).logits[0, -1]
+    opts = dict(page_size=8, checkpoint_interval=16, prefill_chunk=16, num_pages=400)
+    f32, b16 = Engine(model, cache_dtype="float32", **opts), Engine(model, cache_dtype="bfloat16", **opts)
+    assert b16.runner.pool.dtype == torch.bfloat16 and b16.runner.page_bytes * 2 == f32.runner.page_bytes
+    a, b = f32.next_logits([p])[0], b16.next_logits([p])[0]
+    gap = float((b - a).abs().max() / a.abs().max())
+    print(f"bf16 vs fp32 page pool: next-token logits differ by {gap:.2e} of the largest logit")
+    assert 0 < gap <= 1e-3 and float((a - ref).abs().max() / ref.abs().max()) <= 1e-5
+    # KDA checkpoints are fp32 words stored bit for bit in the bf16 pool
+    st = b16.runner.new_state()
+    g = torch.Generator().manual_seed(0)
+    for t in st.S + st.tails:
+        t.copy_(torch.randn(t.shape, generator=g))
+    pages = list(range(b16.runner.checkpoint_pages))
+    b16.runner.save_state(st, pages)
+    back = b16.runner.load_state(pages)
+    assert all(torch.equal(x, y) for x, y in zip(st.S + st.tails, back.S + back.tails))
+    # a bf16 model gets a bf16 pool by default
+    assert Engine(small_model("plain", seed=7).to(torch.bfloat16), **opts).runner.pool.dtype == torch.bfloat16
+    with pytest.raises(InferenceError, match="cache.dtype"):
+        Engine(model, cache_dtype="int8", **opts)

@@ -95,12 +95,18 @@ class Engine:
     tier; ``prefill_chunk`` tokens per prefill step; ``max_batch`` sequences running at once;
     ``preempt`` (default True) admits on the prompt's pages and preempts by recompute when decoding
     runs out of pages; False reserves prompt + max_tokens pages at admission (the former policy: no
-    sequence is ever preempted, far fewer run at once). The pool is fp32 whatever the model dtype.
+    sequence is ever preempted, far fewer run at once); ``cache_dtype`` the MLA latents' dtype in the
+    page pool: None = the model's (bf16 for a bf16 model), or "float32" / "bfloat16" / "float16"; KDA
+    states and checkpoints stay fp32 either way (megak3/inference/runner.py). A bf16 pool under an fp32
+    model moves next-token logits by 4e-5 of the largest logit on the test model (bound tested: 1e-3,
+    tests/test_inference_engine_api.py; bf16 keeps 8 mantissa bits of each latent) and halves the
+    bytes of an MLA page.
     """
 
     def __init__(self, model, tokenizer=None, *, page_size: int = 16, num_pages: Optional[int] = None,
                  checkpoint_interval: int = 512, checkpoint_mode: str = "all", host_pages: int = 0,
-                 prefill_chunk: int = 256, max_batch: int = 32, preempt: bool = True):
+                 prefill_chunk: int = 256, max_batch: int = 32, preempt: bool = True,
+                 cache_dtype: Optional[str] = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_context = int(model.config.max_seq_len)
@@ -110,12 +116,17 @@ class Engine:
             raise InferenceError(f"max_batch={max_batch!r} must be an integer >= 1")
         self.prefill_chunk, self.max_batch, self.preempt = prefill_chunk, max_batch, bool(preempt)
         probe = CacheConfig(page_size, 1, checkpoint_interval, checkpoint_mode, host_pages).validate()
-        self.runner = ModelRunner(model, page_size, 0)
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if cache_dtype is not None and cache_dtype not in dtypes:
+            raise InferenceError(f"cache.dtype={cache_dtype!r} must be one of {', '.join(dtypes)} "
+                                 "(or None: the model's dtype)")
+        pool_dtype = dtypes.get(cache_dtype)
+        self.runner = ModelRunner(model, page_size, 0, pool_dtype=pool_dtype)
         if num_pages is None:   # 4 full-context sequences plus 64 checkpoints
             num_pages = 4 * -(-self.max_context // page_size) + 64 * self.runner.checkpoint_pages
         probe.num_pages = num_pages
         self.cache = CacheManager(probe, self.runner.checkpoint_pages)
-        self.runner = ModelRunner(model, page_size, num_pages, host_pages)
+        self.runner = ModelRunner(model, page_size, num_pages, host_pages, pool_dtype=pool_dtype)
         self._ids = itertools.count(1)
         self._engine_id = next(_ENGINE_IDS)
         self._live: Dict[int, SeqHandle] = {}   # begun, unfinished, not released; in begin order

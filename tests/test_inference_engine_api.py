@@ -141,3 +141,21 @@ def test_bf16_page_pool_bound_and_exact_fp32_checkpoints(model):
     assert Engine(small_model("plain", seed=7).to(torch.bfloat16), **opts).runner.pool.dtype == torch.bfloat16
     with pytest.raises(InferenceError, match="cache.dtype"):
         Engine(model, cache_dtype="int8", **opts)
+
+
+def test_a_lone_sequence_completes_in_a_pool_that_fits_it_alone(model):
+    # a checkpoint is 67 pages of 2 tokens here: neither its own checkpoints nor a restored one (pinned
+    # by the hit) may keep a sequence of 21 pages from growing in an 80-page pool
+    opts = dict(page_size=2, checkpoint_interval=8, prefill_chunk=8)
+    p = _ids(12, 0)
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    want = Engine(model, num_pages=400, **opts).generate([p], sp)[0]
+    eng = Engine(model, num_pages=80, **opts)
+    assert eng.runner.checkpoint_pages == 67
+    assert eng.generate([p], sp)[0].token_ids == want.token_ids
+    eng = Engine(model, num_pages=80, **opts)
+    eng.generate([p], SamplingParams(max_tokens=1))                  # caches the checkpoint at 8
+    assert eng.cache.stats["checkpoints"] == 1
+    got = eng.generate([p], sp)[0]                                     # hits it, then outgrows it
+    assert eng.cache.stats["hits"] == 1 and eng.cache.stats["evicted_checkpoints"] >= 1
+    assert got.token_ids == want.token_ids

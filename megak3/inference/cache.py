@@ -305,8 +305,10 @@ class CacheManager:
             self.entries[h] = _Entry(page, refs=1)
             seq.pinned.append(h)
 
-    def wants_checkpoint(self, sid: int, length: int) -> bool:
-        """Whether the KDA state after ``length`` tokens of ``sid`` should be checkpointed now."""
+    def wants_checkpoint(self, sid: int, length: int, final_len: int = 0) -> bool:
+        """Whether the KDA state after ``length`` tokens of ``sid`` should be checkpointed now: only with
+        room for it beside the pages ``sid`` still needs to reach ``final_len`` tokens (its own
+        checkpoints never crowd out its decoding)."""
         mode, iv = self.cfg.checkpoint_mode, self.cfg.checkpoint_interval
         if mode == "none" or length == 0 or length % iv:
             return False
@@ -317,7 +319,23 @@ class CacheManager:
         if len(seq.hashes) < j:
             return False
         e = self.entries.get(seq.hashes[j - 1])
-        return e is not None and e.page is not None and e.ckpt is None and self.available() >= self.ckpt_pages
+        future = max(0, -(-final_len // self.cfg.page_size) - len(seq.table) - seq.reserve)
+        return e is not None and e.page is not None and e.ckpt is None and \
+            self.available() >= self.ckpt_pages + future
+
+    def drop_checkpoints(self, sid: int) -> int:
+        """Free the checkpoints only ``sid`` pins (it holds its state itself; they served future hits):
+        the last resort of a sequence alone in a pool it cannot otherwise grow in. Returns pages freed."""
+        freed = 0
+        for h in self.seqs[sid].pinned:
+            e = self.entries.get(h)
+            if e is not None and e.ckpt is not None and e.refs == 1:
+                self.free.extend(e.ckpt)
+                freed += len(e.ckpt)
+                e.ckpt = None
+                self.interior.pop(h, None)
+                self.stats["evicted_checkpoints"] += 1
+        return freed
 
     def checkpoint_pages(self, sid: int, length: int) -> Tuple[List[int], List[Tuple]]:
         """Allocate and attach the checkpoint pages of boundary ``length`` (after wants_checkpoint)."""

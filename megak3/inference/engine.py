@@ -416,6 +416,8 @@ class Engine:
                 continue   # preempted for an older sequence
             while self.cache.shortfall(h.id, h.fed + 1) > 0:
                 victims = self._holders(active)   # an older sequence is never preempted for a newer one
+                if victims == [h] and self.cache.drop_checkpoints(h.id):
+                    continue
                 if victims == [h]:
                     raise InferenceError(f"cache.num_pages={self.cache.cfg.num_pages} is too small for one "
                                          f"sequence of {h.fed + 1} tokens and its checkpoints; raise it")
@@ -477,7 +479,7 @@ class Engine:
 
     def _after_forward(self, s: SeqHandle) -> None:
         self.cache.commit(s.id, s.tokens, s.fed)
-        if self.cache.wants_checkpoint(s.id, s.fed):
+        if self.cache.wants_checkpoint(s.id, s.fed, len(s.prompt) + s.max_new):
             pages, actions = self.cache.checkpoint_pages(s.id, s.fed)
             self.runner.execute(actions)
             self.runner.save_state(s.state, pages)

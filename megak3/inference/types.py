@@ -66,7 +66,8 @@ class Completion:
     ``log_softmax(logits / T)`` truncated by top-k / top-p and renormalised (vLLM's processed logprobs;
     the behaviour logprob RL needs); greedy (temperature 0): the model's ``log_softmax(logits)``"""
     finish_reason: str
-    """"stop" (stop token or string) or "length" (max_tokens or the context length)"""
+    """"stop" (stop token or string), "length" (max_tokens or the context length) or "abort"
+    (``Engine.abort`` before it finished)"""
     text: str
     """decoded generated text; a stop token is not shown and a stop string and what follows it are cut"""
 

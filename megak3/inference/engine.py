@@ -393,8 +393,8 @@ class Engine:
         while not self._begin(h):
             victims = [v for v in self._holders(active) if v is not h]
             if not victims:
-                raise InferenceError(f"cache.num_pages={self.cache.cfg.num_pages} cannot hold a {h.pre}-token "
-                                     "prefill; raise cache.num_pages")
+                raise InferenceError(f"cache.num_pages={self.cache.cfg.num_pages} cannot hold a "
+                                     f"{len(h.tokens)}-token prefill; raise cache.num_pages")
             self._preempt(victims[0])
         return True
 

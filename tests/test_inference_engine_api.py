@@ -45,6 +45,12 @@ def test_handles_step_pause_resume_release(model):
     assert c.admitted and c.id in eng.cache.seqs
     eng.abort(c)
     assert c.finish_reason == "abort" and c.id not in eng.cache.seqs and eng.live() == []
+    d = eng.begin(_ids(9, 3), SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.step([d])
+    eng.release(d)
+    assert eng.live() == [] and eng.cache.seqs == {}
+    with pytest.raises(InferenceError, match="released"):
+        eng.step([d])
     other = Engine(model, page_size=4, checkpoint_interval=8, num_pages=100)
     with pytest.raises(InferenceError, match="this engine"):
         other.release(a)

@@ -163,6 +163,8 @@ class Engine:
                 self._own(h)
                 if h.finish is not None:
                     continue
+                if h.id not in self._live:
+                    raise InferenceError(f"sequence {h.id} was released; begin a new one")
                 if h.paused:
                     raise InferenceError(f"sequence {h.id} is paused; resume it before stepping it")
                 active.append(h)

@@ -1,4 +1,4 @@
-"""tools/bench_prefix_cache.py and tools/bench_decode.py run end to end with tiny arguments."""
+"""tools/bench_prefix_cache.py, tools/bench_decode.py and tools/bench_preempt.py run end to end with tiny arguments."""
 import contextlib
 import io
 import sys
@@ -7,6 +7,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import bench_decode  # noqa: E402
 import bench_prefix_cache  # noqa: E402
+import bench_preempt  # noqa: E402
 
 
 def _run(fn, argv):
@@ -33,6 +34,14 @@ def test_bench_decode_tiny():
     assert len([l for l in out.splitlines() if l.strip().startswith(("16", "48"))]) == 2
 
 
+def test_bench_preempt_tiny():
+    rc, out = _run(bench_preempt.main, ["--requests", "4", "--prompt", "8", "--new", "12", "--pool", "8",
+                                        "--page-size", "4"])
+    assert rc == 0 and "outputs identical across policies: True" in out, out
+    assert "preempt / reserve: mean sequences at once" in out
+
+
 def test_bench_bad_arguments_exit_2():
     assert bench_decode.main(["--new", "0"]) == 2
     assert bench_prefix_cache.main(["--interval", "20", "--page-size", "16"]) == 2
+    assert bench_preempt.main(["--pool", "0"]) == 2

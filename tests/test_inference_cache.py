@@ -102,8 +102,8 @@ def test_pinned_blocks_survive_and_lru_evicts_leaves_first():
     a = list(range(100, 117))              # 4 full blocks + 1 token, checkpoints at 8 and 16
     _run(m, 1, a)                          # running: 5 pages + 2 checkpoints (4 pages) pinned
     # 5 free + the superseded checkpoint at 8 (2 pages; its block stays) can be promised, no more:
-    with pytest.raises(InferenceError, match="cache.num_pages"):
-        m.begin(2, list(range(300, 332)), 0)   # 8 pages: the pinned blocks are not evictable
+    assert m.begin(2, list(range(300, 332)), 0) is None   # 8 pages: the pinned blocks are not evictable
+    assert 2 not in m.seqs and m.reserved == 0           # nothing held: the caller waits or preempts
     m.finish(1)
     hashes = chain_hashes(a, 4)
     assert all(h in m.entries for h in hashes)

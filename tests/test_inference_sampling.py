@@ -1,11 +1,11 @@
 """Scheduling and sampling: continuous batching gives each request the tokens it gets alone (greedy
-and seeded sampling), top-k / top-p semantics, logprobs under the unmodified model, stop tokens,
+and seeded sampling), top-k / top-p semantics, logprobs of the distribution sampled, stop tokens,
 stop strings, max tokens, and one-line errors for bad sampling values and prompts."""
 import pytest
 import torch
 
 from megak3.inference import Engine, InferenceError, SamplingParams
-from megak3.inference.sampling import filtered_probs
+from megak3.inference.sampling import filtered_logprobs, filtered_probs
 from test_inference_decode import small_model
 
 
@@ -32,11 +32,13 @@ def test_batch_mates_do_not_change_a_request(model):
         alone = _eng(model).generate([p], sp)[0]
         assert b.token_ids == alone.token_ids and len(b.token_ids) == sp.max_tokens
         assert max(abs(x - y) for x, y in zip(b.logprobs, alone.logprobs)) <= 1e-5
-        # logprobs are the model's own (before temperature / top-k / top-p)
+        # logprobs are those of the distribution sampled (greedy: the model's own), from the training forward
         seq = p + b.token_ids
         with torch.no_grad():
-            lp = torch.log_softmax(model(torch.tensor([seq])).logits[0], -1)
-        want = [float(lp[len(p) - 1 + i, t]) for i, t in enumerate(b.token_ids)]
+            logits = model(torch.tensor([seq])).logits[0]
+        rows = [logits[len(p) - 1 + i] for i in range(len(b.token_ids))]
+        lp = [torch.log_softmax(r, -1) if sp.temperature == 0 else torch.log(filtered_probs(r, sp)) for r in rows]
+        want = [float(l[t]) for l, t in zip(lp, b.token_ids)]
         assert max(abs(x - y) for x, y in zip(b.logprobs, want)) <= 1e-5
     again = _eng(model).generate(prompts[:1], params[0])[0]
     assert again.token_ids == batched[0].token_ids          # same seed, same tokens
@@ -58,6 +60,8 @@ def test_filtered_probs_hand_computed():
     assert torch.allclose(p, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
     p = filtered_probs(logits, SamplingParams(temperature=0.5))
     assert torch.allclose(p, torch.tensor([0.25, 0.09, 0.0225, 0.0025]) / 0.365)
+    lp = filtered_logprobs(logits, SamplingParams(temperature=0.5, top_k=3, top_p=0.9))   # keeps 0.25, 0.09
+    assert torch.allclose(lp[:2], torch.log(torch.tensor([0.25, 0.09]) / 0.34)) and torch.isinf(lp[2:]).all()
 
 
 def test_stop_tokens_strings_and_length(model, tmp_path):

@@ -78,9 +78,13 @@ def test_rolling_windows_beyond_the_context_and_truncated_contexts(run):
     text = "the quick brown fox jumps over the lazy dog. def main(argv): return 1\n" * 12
     ids = tok.encode(text)
     assert len(ids) > 2 * MAX_SEQ
-    ref = 0.0
-    for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(ids, tok.eos_id, MAX_SEQ - 1, 1)):
+    ref = 0.0   # full-context windows (lm-eval's HF model: max_seq_len = the model's context)
+    for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(ids, tok.eos_id, MAX_SEQ, 1)):
+        assert len(ctx + cont) - 1 <= MAX_SEQ
         ref += _ref_logprob(model, ctx, cont)[0]
+    short = sum(_ref_logprob(model, c, x)[0] for c, x in map(make_disjoint_window, get_rolling_token_windows(
+        ids, tok.eos_id, MAX_SEQ - 1, 1)))
+    print(f"rolling windows of {MAX_SEQ} vs {MAX_SEQ - 1} tokens: {ref:.4f} vs {short:.4f} nats")
 
     class Req:
         def __init__(self, *args):
@@ -89,7 +93,7 @@ def test_rolling_windows_beyond_the_context_and_truncated_contexts(run):
     assert lm.loglikelihood_rolling([Req(text)])[0] == pytest.approx(ref, rel=1e-5)
     # a context longer than the model's keeps its last tokens
     ctx, cont = _pair(tok, text + "the quick brown fox jumps over the", " lazy dog")
-    keep = (ctx + cont)[-MAX_SEQ:]
+    keep = (ctx + cont)[-(MAX_SEQ + 1):]   # a forward of MAX_SEQ positions scores MAX_SEQ + 1 tokens
     want = _ref_logprob(model, keep[:-len(cont)], cont)
     got = lm.loglikelihood([Req(text + "the quick brown fox jumps over the", " lazy dog")])[0]
     assert got[0] == pytest.approx(want[0], rel=1e-5) and got[1] == want[1]

@@ -55,6 +55,28 @@ def test_engine_and_trainer_logprobs_agree_fp32(tok, qat):
     assert gap <= 1e-5
 
 
+def test_tempered_behaviour_logprobs_equal_the_trainers(tok):
+    # issue 35: the engine samples from softmax(logits / T); its recorded behaviour logprob and the
+    # trainer's logprob (ratio and staleness weights) must both be that distribution's
+    T = 0.5
+    runner = RLRunner(make_job(), RLConfig(prompts=2, group_size=2, max_tokens=6, temperature=T), tok,
+                      engine_options=ENGINE)
+    runner.generate()
+    samples = [r for g in runner.buffer.take_trainable() for r in g]
+    mb = response_batch(samples, runner.tokenizer.pad_id)
+    with torch.no_grad():
+        logits = runner.model(mb["input_ids"], cu_seqlens=mb["cu_seqlens"], return_logits=True).logits
+        want = torch.log_softmax(logits.float() / T, -1).gather(-1, mb["targets"].clamp_min(0)[..., None])[..., 0]
+        ours = runner._logp(runner.model, mb)[0]
+    m = mb["mask"].bool()
+    behaviour_gap = float((mb["behaviour"][m] - want[m]).abs().max())
+    trainer_gap = float((ours[m] - want[m]).abs().max())
+    print(f"T={T}: behaviour vs tempered forward {behaviour_gap:.2e}, trainer vs tempered forward {trainer_gap:.2e}")
+    assert behaviour_gap <= 1e-5 and trainer_gap <= 1e-5
+    untempered = torch.log_softmax(logits.float(), -1).gather(-1, mb["targets"].clamp_min(0)[..., None])[..., 0]
+    assert float((mb["behaviour"][m] - untempered[m]).abs().max()) > 1e-2   # the test can tell them apart
+
+
 def test_bf16_engine_gap_is_reported(tok):
     rl = RLConfig(prompts=2, group_size=2, max_tokens=6, engine_dtype="bfloat16")
     runner = RLRunner(make_job(), rl, tok, engine_options=ENGINE)
@@ -93,6 +115,21 @@ def test_paused_and_resumed_sample_is_token_identical(tok, pause_steps):
         assert a.token_ids == b.token_ids
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6)
     assert used is None or used > 0
+
+
+def test_rollouts_of_two_buffers_share_one_sampler(tok):
+    # issue 35: both buffers number their uids from 0; PartialRollouts used to key its samples by uid
+    # and crashed with "TypeError: 'NoneType' object is not subscriptable"
+    runner = RLRunner(make_job(), RLConfig(), tok, engine_options=ENGINE)
+    prompt = [tok.bos_id] + tok.encode("user\nWhat is 2 + 5?") + [tok.eos_id, tok.bos_id] + tok.encode("assistant\n")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    a, b = RolloutBuffer(2).add_prompt(prompt, budget=6), RolloutBuffer(2).add_prompt(prompt[:-2], budget=6)
+    assert [r.uid for r in a] == [r.uid for r in b]
+    sampler = PartialRollouts(runner.engine, params)
+    assert sampler.run(a + b, version=0) == 4
+    want = runner.engine.generate([prompt, prompt[:-2]], params)
+    assert all(r.finished for r in a + b) and sampler.live == {}
+    assert [r.token_ids for r in (a[0], b[0])] == [w.token_ids for w in want]
 
 
 def test_partial_rollout_iterations_record_versions_and_keep_budgets(tok):

@@ -14,7 +14,7 @@ forward (megak3/model/k3.py; on CPU its attention materialises an [H, C, C] scor
 Cache bytes per sequence at the largest context: the pages the engine gave the sequence (MLA
 latents) plus its KDA state, against the formula
 ``C x (kv_lora_rank + qk_rope_head_dim) x n_MLA_layers x 4 B + n_KDA_layers x (H K V + 3 (W-1) H K) x 4 B``
-(fp32 cache; a context that is not a multiple of the page size rounds up to whole pages). The same
+(fp32 pool: the model here is fp32; a context that is not a multiple of the page size rounds up to whole pages). The same
 formula is printed for the full K3 config (bf16 latents, fp32 state) for scale.
 """
 import argparse

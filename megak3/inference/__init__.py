@@ -1,6 +1,6 @@
 """Generation from megak3 checkpoints: incremental decoding with a KDA-aware prefix cache.
 
-    engine.py    Engine: validation, continuous batching, chunked prefill, sampling (the contract)
+    engine.py    Engine, SeqHandle: sequence handles, continuous batching, chunked prefill, preemption (the contract)
     cache.py     CacheManager: pages, prefix-hash blocks, KDA checkpoints, LRU, host tier (no tensors)
     runner.py    ModelRunner: the incremental K3 forward over the paged pool (KDA state, absorbed MLA)
     sampling.py  greedy / temperature / top-k / top-p with per-request generators
@@ -11,9 +11,9 @@
                  metrics.py (Prometheus), media.py (images of requests)
 """
 from .cache import CacheConfig, CacheManager
-from .engine import Engine
+from .engine import Engine, SeqHandle
 from .runner import ModelRunner
 from .types import Completion, InferenceError, SamplingParams, Scored
 
-__all__ = ["Engine", "SamplingParams", "Completion", "Scored", "InferenceError", "CacheConfig",
+__all__ = ["Engine", "SeqHandle", "SamplingParams", "Completion", "Scored", "InferenceError", "CacheConfig",
            "CacheManager", "ModelRunner"]

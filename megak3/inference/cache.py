@@ -200,10 +200,13 @@ class CacheManager:
         self.stats["prefetched"] += 1
 
     # --------------------------------------------------------------------------- sequences
-    def begin(self, sid: int, prompt: List[int], max_new: int, salt: bytes = b"", lookup: bool = True) -> Hit:
+    def begin(self, sid: int, prompt: List[int], max_new: int, salt: bytes = b"", lookup: bool = True,
+              headroom: int = 0) -> Optional[Hit]:
         """Admit sequence ``sid``: find the deepest restorable boundary of ``prompt`` (unless not
-        ``lookup``), pin its blocks, reserve pages for prompt + ``max_new`` tokens. Raises
-        InferenceError when they cannot fit."""
+        ``lookup``), pin its blocks, reserve pages for prompt + ``max_new`` tokens, leaving ``headroom``
+        more pages promisable. A hit whose pinned pages (its blocks, their KDA checkpoints, host-tier
+        prefetches) would not leave room falls back to cold; returns None (nothing held) when the
+        sequence does not fit cold either: the caller waits or preempts."""
         ps, n = self.cfg.page_size, len(prompt)
         seq = SeqPages(salt, prompt_len=n)
         total = -(-(n + max_new) // ps)
@@ -226,13 +229,17 @@ class CacheManager:
                 e.refs += 1
             seq.hashes = hashes[:hit_blocks]
             seq.pinned = list(seq.hashes)
-            if hit_blocks:
-                self.interior.pop(hashes[hit_blocks - 1], None)   # restored: a branch point, keep it
-            # entries on the host tier come back with their checkpoints: only when that and the rest
-            # of the sequence fit next to the reservations of the running sequences (else: cold)
+            interior = hit_blocks and hashes[hit_blocks - 1] in self.interior
+            if interior:   # restored: a branch point, keep it (counted as held from now on)
+                self.interior.pop(hashes[hit_blocks - 1])
+            # pinned entries no longer count as evictable; entries on the host tier come back with
+            # their checkpoints: the hit stands only when that and the rest of the sequence fit next
+            # to the reservations of the running sequences (else: cold, as a cold engine would run)
             host_need = sum(1 + len(self.entries[h].host_ckpt or ()) for h in seq.hashes
                             if self.entries[h].page is None)
-            if host_need and host_need + total - hit_blocks > self.available():
+            if hit_blocks and host_need + total - hit_blocks + headroom > self.available():
+                if interior:
+                    self.interior[hashes[hit_blocks - 1]] = None
                 self._release(seq)
                 seq = SeqPages(salt, prompt_len=n)
                 hit_blocks = 0
@@ -245,11 +252,9 @@ class CacheManager:
                 self.stats["hits"] += 1
                 self.stats["hit_tokens"] += hit_blocks * ps
         need = total - hit_blocks
-        if need > self.available():
+        if need + headroom > self.available():
             self._release(seq)
-            raise InferenceError(f"cache.num_pages={self.cfg.num_pages} (page_size {ps}) cannot hold a "
-                                 f"{n}-token prompt plus {max_new} new tokens next to the running sequences; "
-                                 "raise cache.num_pages or lower max_tokens")
+            return None
         seq.reserve = need
         self.reserved += need
         self.seqs[sid] = seq
@@ -258,6 +263,12 @@ class CacheManager:
     def can_begin(self, prompt_len: int, max_new: int) -> bool:
         """Whether a cold sequence of this size fits next to the running ones now."""
         return -(-(prompt_len + max_new) // self.cfg.page_size) <= self.available()
+
+    def shortfall(self, sid: int, length: int) -> int:
+        """Pages ``grow(sid, length)`` would lack now (0: it can grow; else preempt someone first)."""
+        seq = self.seqs[sid]
+        need = -(-length // self.cfg.page_size) - len(seq.table) - seq.reserve
+        return max(0, need - self.available()) if need > 0 else 0
 
     def fits_alone(self, prompt_len: int, max_new: int) -> bool:
         return -(-(prompt_len + max_new) // self.cfg.page_size) <= self.cfg.num_pages
@@ -294,8 +305,10 @@ class CacheManager:
             self.entries[h] = _Entry(page, refs=1)
             seq.pinned.append(h)
 
-    def wants_checkpoint(self, sid: int, length: int) -> bool:
-        """Whether the KDA state after ``length`` tokens of ``sid`` should be checkpointed now."""
+    def wants_checkpoint(self, sid: int, length: int, final_len: int = 0) -> bool:
+        """Whether the KDA state after ``length`` tokens of ``sid`` should be checkpointed now: only with
+        room for it beside the pages ``sid`` still needs to reach ``final_len`` tokens (its own
+        checkpoints never crowd out its decoding)."""
         mode, iv = self.cfg.checkpoint_mode, self.cfg.checkpoint_interval
         if mode == "none" or length == 0 or length % iv:
             return False
@@ -306,7 +319,23 @@ class CacheManager:
         if len(seq.hashes) < j:
             return False
         e = self.entries.get(seq.hashes[j - 1])
-        return e is not None and e.page is not None and e.ckpt is None and self.available() >= self.ckpt_pages
+        future = max(0, -(-final_len // self.cfg.page_size) - len(seq.table) - seq.reserve)
+        return e is not None and e.page is not None and e.ckpt is None and \
+            self.available() >= self.ckpt_pages + future
+
+    def drop_checkpoints(self, sid: int) -> int:
+        """Free the checkpoints only ``sid`` pins (it holds its state itself; they served future hits):
+        the last resort of a sequence alone in a pool it cannot otherwise grow in. Returns pages freed."""
+        freed = 0
+        for h in self.seqs[sid].pinned:
+            e = self.entries.get(h)
+            if e is not None and e.ckpt is not None and e.refs == 1:
+                self.free.extend(e.ckpt)
+                freed += len(e.ckpt)
+                e.ckpt = None
+                self.interior.pop(h, None)
+                self.stats["evicted_checkpoints"] += 1
+        return freed
 
     def checkpoint_pages(self, sid: int, length: int) -> Tuple[List[int], List[Tuple]]:
         """Allocate and attach the checkpoint pages of boundary ``length`` (after wants_checkpoint)."""

@@ -23,12 +23,13 @@ strings; ``max_gen_toks`` default 256). Tokenisation follows the harness's Huggi
 ``len(encode(context))`` (so a merge across the boundary is scored as the model would see the
 text), an empty context becomes the single token eos (megak3's document separator, the training
 data has no bos), and a (context + continuation) longer than the model's context keeps its last
-``max_context`` tokens (``Engine.score`` takes sequences of at most ``max_context`` tokens, one
-fewer than a forward of ``max_context`` positions could score). ``--apply_chat_template`` renders
-the few-shot turns with the HTTP server's plain template (``role: content`` lines, then
-``assistant:``). ``loglikelihood_rolling`` scores the
-whole text in disjoint windows of ``max_context - 1`` predicted tokens, eos as the first window's
-prefix, cut by the harness's own rolling-window helpers.
+``max_context + 1`` tokens (a forward over ``max_context`` positions scores them, as the harness's
+HF model does). ``--apply_chat_template`` renders the few-shot turns with megak3's chat template
+(``<|bos|>role\ncontent<|eos|>`` per turn, then the open ``<|bos|>assistant\n`` header: the template
+SFT trains on and the HTTP server uses, megak3/data/chat.py) as text, and the adapter encodes that
+text so the reserved token strings become their ids. ``loglikelihood_rolling`` scores the whole text
+in disjoint windows of ``max_context`` predicted tokens (full-context windows, like the harness's HF
+model), eos as the first window's prefix, cut by the harness's own rolling-window helpers.
 """
 from __future__ import annotations
 
@@ -137,9 +138,9 @@ class Megak3LM(LM):
                 seqs.append(None)
                 spans.append(0)
                 continue
-            seq = _truncate_left(ctx + cont, self.max_length)
+            seq = _truncate_left(ctx + cont, self.max_length + 1)   # a forward of max_length positions
             if len(seq) == len(cont):  # no context left: the continuation's first token cannot be scored
-                seq = [self.eot_token_id] + seq[-(self.max_length - 1):]
+                seq = [self.eot_token_id] + seq[-self.max_length:]
                 cont = seq[1:]
             seqs.append(seq)
             spans.append(len(cont))
@@ -166,7 +167,7 @@ class Megak3LM(LM):
         for r in requests:
             (text,) = r.args[:1]
             windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                token_list=self.tok_encode(text), prefix_token=self.eot_token_id, max_seq_len=self.max_length - 1,
+                token_list=self.tok_encode(text), prefix_token=self.eot_token_id, max_seq_len=self.max_length,
                 context_len=1)]
             out.append(sum(ll for ll, _ in self._score_pairs(windows)))
         return out

@@ -13,9 +13,12 @@ are the training forward's. What changes is only how the token mixers see the pa
   of the latent by its value half. A ``kv_b_proj`` that is not a plain ``nn.Linear`` (MXFP8 activation
   quantisation) is applied to the cached latents instead (keys and values expanded), as in training.
 
-Pool layout: one fp32 tensor ``[num_pages, page_numel]``. An MLA page is ``[n_mla, page_size, R]``;
-a KDA checkpoint (every KDA layer's state and tails, flattened) spans ``checkpoint_pages`` pages.
-The host tier is a second such tensor in host memory (pinned on CUDA).
+Pool layout: one tensor ``[num_pages, page_numel]`` of the pool dtype (the model's dtype by default:
+bf16 latents for a bf16 model, as vLLM's ``kv_cache_dtype="auto"``; attention reads them back in
+fp32). An MLA page is ``[n_mla, page_size, R]``; a KDA checkpoint (every KDA layer's state and tails,
+flattened) spans ``checkpoint_pages`` pages and stays fp32 whatever the pool dtype: its fp32 words
+are stored bit for bit (a bf16 pool holds each as two bf16 slots), so a restored state is exact. The
+host tier is a second such tensor in host memory (pinned on CUDA).
 
 Tensor / expert parallelism: the runner also drives a model transformed by
 ``parallel.parallelize`` (the trainer's plan) without sequence or pipeline parallelism. Each rank
@@ -62,7 +65,8 @@ class SeqState:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, page_size: int, num_pages: int, host_pages: int = 0):
+    def __init__(self, model: nn.Module, page_size: int, num_pages: int, host_pages: int = 0,
+                 pool_dtype: Optional[torch.dtype] = None):
         self.model = model.eval()
         cfg = model.config
         self.cfg = cfg
@@ -86,17 +90,22 @@ class ModelRunner:
             a = _inner(model.layers[i].self_attn)
             P = a.num_heads * a.head_dim
             self.state_shapes.append(((a.num_heads, a.head_dim, a.head_dim), (3, self.W - 1, P)))
+        self.pool_dtype = pool_dtype or (self.dtype if self.dtype.is_floating_point else torch.float32)
+        if torch.finfo(self.pool_dtype).bits not in (16, 32):
+            raise ValueError(f"cache dtype {self.pool_dtype} must be float32, bfloat16 or float16")
+        self.words = 32 // torch.finfo(self.pool_dtype).bits   # pool slots per fp32 checkpoint value
         self.page_numel = max(len(self.mla_idx), 1) * page_size * self.R
+        self.page_numel += self.page_numel % self.words         # whole fp32 words per page
         self.checkpoint_numel = sum(math.prod(a) + math.prod(b) for a, b in self.state_shapes)
-        self.checkpoint_pages = max(1, math.ceil(self.checkpoint_numel / self.page_numel))
-        self.pool = torch.zeros(num_pages, self.page_numel, dtype=torch.float32, device=self.device)
-        self.host = torch.zeros(host_pages, self.page_numel, dtype=torch.float32,
+        self.checkpoint_pages = max(1, math.ceil(self.checkpoint_numel * self.words / self.page_numel))
+        self.pool = torch.zeros(num_pages, self.page_numel, dtype=self.pool_dtype, device=self.device)
+        self.host = torch.zeros(host_pages, self.page_numel, dtype=self.pool_dtype,
                                 pin_memory=self.device.type == "cuda")
 
     # ------------------------------------------------------------------------------ sizes
     @property
     def page_bytes(self) -> int:
-        return self.page_numel * 4
+        return self.page_numel * self.pool.element_size()
 
     def mla_values_per_token(self) -> int:
         """Cached MLA values per token: R per MLA layer."""
@@ -108,13 +117,13 @@ class ModelRunner:
         return SeqState([z(a) for a, _ in self.state_shapes], [z(b) for _, b in self.state_shapes])
 
     def save_state(self, st: SeqState, pages: Sequence[int]) -> None:
-        flat = torch.cat([t.reshape(-1) for pair in zip(st.S, st.tails) for t in pair])
-        buf = torch.zeros(len(pages) * self.page_numel, dtype=torch.float32, device=self.device)
+        flat = torch.cat([t.float().reshape(-1) for pair in zip(st.S, st.tails) for t in pair])
+        buf = torch.zeros(len(pages) * self.page_numel // self.words, dtype=torch.float32, device=self.device)
         buf[:flat.numel()] = flat
-        self.pool[torch.as_tensor(list(pages), device=self.device)] = buf.view(len(pages), -1)
+        self.pool[torch.as_tensor(list(pages), device=self.device)] = buf.view(self.pool_dtype).view(len(pages), -1)
 
     def load_state(self, pages: Sequence[int]) -> SeqState:
-        flat = self.pool[torch.as_tensor(list(pages), device=self.device)].reshape(-1)
+        flat = self.pool[torch.as_tensor(list(pages), device=self.device)].reshape(-1).view(torch.float32)
         S, tails, off = [], [], 0
         for shapes in self.state_shapes:
             for shape, out in zip(shapes, (S, tails)):
@@ -228,9 +237,10 @@ class ModelRunner:
         q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x_BTD))).view(N, T, H, nope + rope).float()
         c_kv, k_pe = attn.kv_a_proj_with_mqa(x_BTD).split([r, rope], dim=-1)
         entry = torch.cat([attn.kv_a_layernorm(c_kv), k_pe], -1).float()
-        pool = self.pool.view(self.pool.shape[0], len(self.mla_idx), self.page_size, self.R)
-        pool[page_BT, slot, off_BT] = entry
-        lat_BCR = pool[tab, slot].reshape(N, -1, self.R)[:, :L]
+        pool = self.pool[:, :len(self.mla_idx) * self.page_size * self.R].view(
+            self.pool.shape[0], len(self.mla_idx), self.page_size, self.R)
+        pool[page_BT, slot, off_BT] = entry.to(pool.dtype)
+        lat_BCR = pool[tab, slot].reshape(N, -1, self.R)[:, :L].float()
         mask = mask_BTC[:, :, :L].unsqueeze(1)                       # [N, 1, T, L]
         c_BCr, pe_BCd = lat_BCR.split([r, rope], dim=-1)
         q_nope, q_pe = q.split([nope, rope], dim=-1)

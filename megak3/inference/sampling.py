@@ -17,27 +17,35 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return torch.Generator("cpu").manual_seed(seed)
 
 
-def filtered_probs(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p (fp32, on the CPU)."""
+def filtered_logprobs(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probabilities of the distribution sampled (fp32, on the CPU): ``log_softmax(logits / T)``,
+    tokens outside top-k / top-p set to -inf and the kept ones renormalised."""
     z = logits_V.float().cpu() / params.temperature
     if params.top_k and params.top_k < z.numel():
         kth = torch.topk(z, params.top_k).values[-1]
         z = z.masked_fill(z < kth, float("-inf"))
-    p = z.softmax(-1)
+    lp = torch.log_softmax(z, -1)
     if params.top_p < 1.0:
-        sp, order = p.sort(descending=True)
+        sp, order = lp.exp().sort(descending=True)
         before = sp.cumsum(0) - sp             # mass of the strictly more likely tokens
-        sp = sp.masked_fill(before >= params.top_p, 0.0)   # keep the smallest set reaching top_p
-        p = torch.zeros_like(p).scatter_(0, order, sp)
-        p = p / p.sum()
-    return p
+        drop = torch.zeros_like(lp, dtype=torch.bool).scatter_(0, order, before >= params.top_p)
+        lp = lp.masked_fill(drop, float("-inf"))   # keep the smallest set reaching top_p
+        lp = lp - torch.logsumexp(lp, 0)
+    return lp
+
+
+def filtered_probs(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities after temperature, top-k and top-p (fp32, on the CPU)."""
+    return filtered_logprobs(logits_V, params).exp()
 
 
 def sample(logits_V: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> tuple[int, float]:
-    """(token, log p(token) under the unmodified model distribution)."""
-    logp_V = torch.log_softmax(logits_V.float(), -1)
+    """(token, its logprob). Sampling (temperature > 0): the logprob under the distribution sampled
+    (temperature applied, top-k / top-p truncated and renormalised; vLLM's "processed" logprobs), so it
+    is the exact behaviour logprob of RL. Greedy: the model's unmodified ``log_softmax(logits)``."""
     if params.temperature == 0:
         tok = int(logits_V.argmax())
-    else:
-        tok = int(torch.multinomial(filtered_probs(logits_V, params), 1, generator=gen))
-    return tok, float(logp_V[tok])
+        return tok, float(torch.log_softmax(logits_V.float(), -1)[tok])
+    lp_V = filtered_logprobs(logits_V, params)
+    tok = int(torch.multinomial(lp_V.exp(), 1, generator=gen))
+    return tok, float(lp_V[tok])

@@ -62,9 +62,12 @@ class Completion:
     token_ids: List[int]
     """generated tokens (a stop token that ended the sequence is included)"""
     logprobs: List[float]
-    """log p of each generated token under the model (before temperature / top-k / top-p)"""
+    """log p of each generated token under the distribution it was sampled from: with temperature > 0,
+    ``log_softmax(logits / T)`` truncated by top-k / top-p and renormalised (vLLM's processed logprobs;
+    the behaviour logprob RL needs); greedy (temperature 0): the model's ``log_softmax(logits)``"""
     finish_reason: str
-    """"stop" (stop token or string) or "length" (max_tokens or the context length)"""
+    """"stop" (stop token or string), "length" (max_tokens or the context length) or "abort"
+    (``Engine.abort`` before it finished)"""
     text: str
     """decoded generated text; a stop token is not shown and a stop string and what follows it are cut"""
 

@@ -69,7 +69,8 @@ class RLConfig:
     max_tokens: int = 8
     """response budget of a sample (fixed when it is created; a resumed sample keeps what is left)"""
     temperature: float = 1.0
-    """sampling temperature of the rollouts"""
+    """sampling temperature of the rollouts; the behaviour logprobs are those of softmax(logits / T) and
+    the trainer's logprobs (ratio, staleness weights, KL reference, MOPD teachers) use the same T (0: greedy, untempered)"""
     partial_fraction: float = 1.0
     """lambda: the update starts once ceil(lambda N K) samples are finished (1.0: synchronous rollouts)"""
     micro_batch_size: int = 16
@@ -358,6 +359,8 @@ class RLRunner:
     def _logp(self, model, mb) -> tuple:
         out = model(mb["input_ids"], cu_seqlens=mb["cu_seqlens"], return_logits=True)
         V = self.job.model.vocab_size
+        if self.rl.temperature > 0:   # the distribution the engine sampled from (its behaviour logprobs)
+            out.logits = out.logits.float() / self.rl.temperature
         if out.logits.shape[-1] == V:
             return token_logprobs(out.logits, mb["targets"]), out.moe_stats
         # tensor parallel: this rank's vocabulary columns; log p = -(vocab-parallel cross entropy)

@@ -9,14 +9,19 @@ a command: the pid namespace dies with it (without namespaces the worker kills w
 command's cgroup and every process of the episode's uid). Output is merged stdout+stderr,
 truncated to ``output_bytes``; the wall-clock limit kills the whole process group.
 
-The path tools (``read_file``, ``write_file``, ``list_dir``) run in the worker itself, between
-commands, when no process of the episode is alive, so resolving then opening is race-free. Paths
-are ``/work/...`` or relative; ``..`` above ``/work``, other absolute paths and symlinks leading
-outside are refused; symlinks are resolved by hand inside the episode root (an absolute target
-means the sandbox's ``/work``); ``write_file`` replaces the file by rename, so it never writes
-through a hard link into another inode. In the worker's private mount namespace (see
-``host.enter_private_mounts``) the episode directory is its own tmpfs: a hard disk quota
-(``disk_bytes``, ``max_files`` inodes), and hard links to files outside it are impossible (EXDEV).
+The path tools (``read_file``, ``write_file``, ``list_dir``) run in the worker itself (root), between
+commands, on a tree the agent wrote: they never resolve a host path through it. Each starts from a
+directory fd of the episode root, opened when the sandbox is made, and walks one component at a time
+without following links (``fdpath``); symlinks are resolved by hand inside the episode root (an
+absolute target means the sandbox's ``/work``). Paths are ``/work/...`` or relative; ``..`` above
+``/work``, other absolute paths and symlinks leading outside are refused. ``read_file`` opens the
+last component with ``O_NOFOLLOW | O_NONBLOCK`` and reads only a regular file; ``write_file`` writes a
+temporary file under an unpredictable name (``O_EXCL | O_NOFOLLOW``, ``fchown`` to the episode uid) and
+renames it over the target within the same directory fd, so it never writes through a symlink or a
+hard link; missing parents are made with ``mkdirat`` + ``fchown``. Error texts name only the path the
+model gave. In the worker's private mount namespace (see ``host.enter_private_mounts``) the episode
+directory is its own tmpfs: a hard disk quota (``disk_bytes``, ``max_files`` inodes), and hard links to
+files outside it are impossible (EXDEV).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import ctypes
 import errno
 import json
 import os
+import secrets
 import select
 import shutil
 import signal
@@ -34,6 +40,8 @@ import time
 from dataclasses import asdict, dataclass, fields
 from typing import Dict, List, Optional
 
+from megak3.envs import fdpath
+from megak3.envs.fdpath import remove_tree  # noqa: F401 - re-exported: env.py and pool.py import it here
 from megak3.envs.host import UNSHARE_ARGS, host_isolation
 
 JAIL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jail.py")
@@ -137,28 +145,6 @@ def _kill_uid(uid: int) -> int:
     return killed
 
 
-def remove_tree(path: str):
-    """Delete ``path`` and everything under it without recursion (a command can nest directories
-    deeper than Python's recursion limit, which ``shutil.rmtree`` hits); symlinks are not followed."""
-    if not os.path.lexists(path):
-        return
-    if not os.path.isdir(path) or os.path.islink(path):
-        os.unlink(path)
-        return
-    dirs, todo = [], [path]
-    while todo:
-        d = todo.pop()
-        dirs.append(d)
-        with os.scandir(d) as it:
-            for e in it:
-                if e.is_dir(follow_symlinks=False):
-                    todo.append(e.path)
-                else:
-                    os.unlink(e.path)
-    for d in reversed(dirs):
-        os.rmdir(d)
-
-
 def remove_stale_cgroups() -> int:
     """Remove the command cgroups of workers that no longer exist (killed mid-command); return how many."""
     iso, removed = host_isolation(), 0
@@ -197,9 +183,10 @@ class ProcessSandbox:
             _libc_mount("tmpfs", self.workdir, "tmpfs",
                         f"size={limits.disk_bytes},nr_inodes={limits.max_files},mode=0700")
             self.quota_mount = True
-        os.chmod(self.workdir, 0o700)
+        self.root_fd = os.open(self.workdir, fdpath.DIR_FLAGS)     # every path tool starts here
+        os.fchmod(self.root_fd, 0o700)
         if self.iso.is_root:
-            os.chown(self.workdir, uid, uid)
+            os.fchown(self.root_fd, uid, uid)
         self.python = shutil.which("python3", path=SANDBOX_PATH) or sys.executable
 
     # ---- commands -------------------------------------------------------------------------------
@@ -337,8 +324,13 @@ class ProcessSandbox:
                 time.sleep(0.005)
 
     # ---- path tools -----------------------------------------------------------------------------
-    def resolve(self, path: str, follow_last: bool = True) -> str:
-        """Host path of sandbox path ``path`` inside the episode root, or SandboxError."""
+    def resolve(self, path: str, follow_last: bool = True) -> List[str]:
+        """The components below ``/work`` that sandbox path ``path`` names, or SandboxError.
+
+        Symlinks are resolved by hand inside the episode root (an absolute target means the sandbox's
+        ``/work``), read with ``readlink`` relative to directory fds opened one component at a time
+        without following anything (``fdpath``); a missing component makes the rest lexical.
+        """
         if not isinstance(path, str) or "\0" in path:
             raise SandboxError("path must be a string without NUL bytes")
         if os.path.isabs(path):
@@ -347,119 +339,163 @@ class ProcessSandbox:
             path = path[len("/work"):]
         todo = [p for p in path.split("/") if p not in ("", ".")]
         parts: List[str] = []
+        fds = [os.dup(self.root_fd)]        # fds[i]: the directory parts[:i], while that prefix exists
         links = 0
-        while todo:
-            comp = todo.pop(0)
-            if comp == "..":
-                if not parts:
-                    raise SandboxError(f"{path}: leaves /work")
-                parts.pop()
-                continue
-            host = os.path.join(self.workdir, *parts, comp)
-            try:
-                st = os.lstat(host)
-            except (FileNotFoundError, NotADirectoryError):
-                parts.append(comp)                    # missing: the rest is lexical (write_file makes parents)
-                continue
-            if stat.S_ISLNK(st.st_mode) and (todo or follow_last):
-                links += 1
-                if links > MAX_SYMLINKS:
-                    raise SandboxError(f"{path}: too many symlinks")
-                target = os.readlink(host)
-                if os.path.isabs(target):
-                    if target != "/work" and not target.startswith("/work/"):
-                        raise SandboxError(f"{path}: symlink to {target} leaves /work")
-                    parts, target = [], target[len("/work"):]
-                todo = [p for p in target.split("/") if p not in ("", ".")] + todo
-                continue
-            parts.append(comp)
-        return os.path.join(self.workdir, *parts)
+        try:
+            while todo:
+                comp = todo.pop(0)
+                if comp == "..":
+                    if not parts:
+                        raise SandboxError(f"{path}: leaves /work")
+                    parts.pop()
+                    if len(fds) > len(parts) + 1:
+                        os.close(fds.pop())
+                    continue
+                st = None
+                if len(fds) == len(parts) + 1:
+                    try:
+                        st = os.stat(comp, dir_fd=fds[-1], follow_symlinks=False)
+                    except FileNotFoundError:
+                        pass                            # missing: the rest is lexical (write_file makes parents)
+                if st is not None and stat.S_ISLNK(st.st_mode) and (todo or follow_last):
+                    links += 1
+                    if links > MAX_SYMLINKS:
+                        raise SandboxError(f"{path}: too many symlinks")
+                    target = os.readlink(comp, dir_fd=fds[-1])
+                    if os.path.isabs(target):
+                        if target != "/work" and not target.startswith("/work/"):
+                            raise SandboxError(f"{path}: symlink to {target} leaves /work")
+                        parts, target = [], target[len("/work"):]
+                        while len(fds) > 1:
+                            os.close(fds.pop())
+                    todo = [p for p in target.split("/") if p not in ("", ".")] + todo
+                    continue
+                if st is not None and stat.S_ISDIR(st.st_mode) and todo:
+                    fds.append(fdpath.open_dir(fds[-1], comp))
+                parts.append(comp)
+        except OSError as e:
+            raise SandboxError(f"{path}: {e.strerror}") from None
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return parts
+
+    def _dir_fd(self, parts: List[str], create: bool = False) -> int:
+        """fd of the episode directory ``parts``, walked from the root fd; ``create`` makes missing ones
+        (mode 0755, owned by the episode uid) with ``mkdirat`` + ``fchown``."""
+        fd = os.dup(self.root_fd)
+        try:
+            for comp in parts:
+                try:
+                    nfd = fdpath.open_dir(fd, comp)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    os.mkdir(comp, 0o755, dir_fd=fd)
+                    nfd = fdpath.open_dir(fd, comp)
+                    if self.iso.is_root:
+                        os.fchown(nfd, self.uid, self.uid)
+                os.close(fd)
+                fd = nfd
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def read_file(self, path: str) -> str:
-        host = self.resolve(path)
+        parts = self.resolve(path)
         try:
-            fd = os.open(host, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            dfd = self._dir_fd(parts[:-1])
+            try:
+                fd = os.open(parts[-1] if parts else ".", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+                             | os.O_CLOEXEC, dir_fd=dfd)
+            finally:
+                os.close(dfd)
         except OSError as e:
-            raise SandboxError(f"{path}: {e.strerror}")
+            raise SandboxError(f"{path}: {e.strerror}") from None
         with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise SandboxError(f"{path}: not a regular file")
-            size = os.fstat(fd).st_size
             data = f.read(self.limits.output_bytes)
         text = data.decode("utf-8", "replace")
-        if size > len(data):
-            text += f"\n[file truncated: first {len(data)} of {size} bytes]"
+        if st.st_size > len(data):
+            text += f"\n[file truncated: first {len(data)} of {st.st_size} bytes]"
         return text
 
     def write_file(self, path: str, content: str) -> str:
         data = content.encode("utf-8")
         if len(data) > self.limits.file_bytes:
             raise SandboxError(f"{path}: {len(data)} bytes > file-size limit {self.limits.file_bytes}")
-        host = self.resolve(path, follow_last=False)
-        if host == self.workdir:
+        parts = self.resolve(path, follow_last=False)
+        if not parts:
             raise SandboxError(f"{path}: is the working directory")
-        parent = os.path.dirname(host)
-        self._makedirs(parent)
-        if os.path.isdir(host) and not os.path.islink(host):
-            raise SandboxError(f"{path}: is a directory")
-        tmp = os.path.join(parent, f".megak3-write-{os.getpid()}")
+        rel, name = "/".join(parts), parts[-1]
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            if self.iso.is_root:
-                os.chown(tmp, self.uid, self.uid)
-            os.replace(tmp, host)        # a new inode: never writes through a hard link or symlink
+            dfd = self._dir_fd(parts[:-1], create=True)
         except OSError as e:
-            if os.path.lexists(tmp):
-                os.unlink(tmp)
-            raise SandboxError(f"{path}: {e.strerror}")
-        if not self.quota_mount and self.disk_usage() > self.limits.disk_bytes:
-            os.unlink(host)
-            raise SandboxError(f"{path}: disk quota {self.limits.disk_bytes} bytes exceeded; file not written")
-        return f"wrote {len(data)} bytes to /work/{os.path.relpath(host, self.workdir)}"
-
-    def _makedirs(self, host_dir: str):
-        rel = os.path.relpath(host_dir, self.workdir)
-        cur = self.workdir
-        for comp in ([] if rel == "." else rel.split("/")):
-            cur = os.path.join(cur, comp)
-            if os.path.islink(cur) or (os.path.exists(cur) and not os.path.isdir(cur)):
-                raise SandboxError(f"/work/{rel}: not a directory")
-            if not os.path.exists(cur):
+            what = "not a directory" if e.errno in (errno.ENOTDIR, errno.ELOOP, errno.EEXIST) else e.strerror
+            raise SandboxError(f"/work/{'/'.join(parts[:-1])}: {what}") from None
+        tmp = f".megak3-write-{secrets.token_hex(12)}"   # unpredictable; O_EXCL|O_NOFOLLOW: never an existing name
+        try:
+            try:
+                if stat.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+                    raise SandboxError(f"{path}: is a directory")
+            except FileNotFoundError:
+                pass
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    if self.iso.is_root:
+                        os.fchown(f.fileno(), self.uid, self.uid)
+                    f.write(data)
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)   # a new inode: never writes through a link
+            except OSError as e:
                 try:
-                    os.mkdir(cur, 0o755)
-                except OSError as e:
-                    raise SandboxError(f"/work/{rel}: {e.strerror}")
-                if self.iso.is_root:
-                    os.chown(cur, self.uid, self.uid)
+                    os.unlink(tmp, dir_fd=dfd)
+                except OSError:
+                    pass
+                raise SandboxError(f"{path}: {e.strerror}") from None
+            if not self.quota_mount and self.disk_usage() > self.limits.disk_bytes:
+                os.unlink(name, dir_fd=dfd)
+                raise SandboxError(f"{path}: disk quota {self.limits.disk_bytes} bytes exceeded; file not written")
+        finally:
+            os.close(dfd)
+        return f"wrote {len(data)} bytes to /work/{rel}"
 
     def list_dir(self, path: str = ".") -> str:
-        host = self.resolve(path)
-        if not os.path.isdir(host) or os.path.islink(host):
-            raise SandboxError(f"{path}: not a directory")
+        parts = self.resolve(path)
+        try:
+            dfd = self._dir_fd(parts)
+        except OSError:
+            raise SandboxError(f"{path}: not a directory") from None
         lines = []
-        for e in sorted(os.scandir(host), key=lambda e: e.name):
-            st = e.stat(follow_symlinks=False)
-            kind = "dir" if e.is_dir(follow_symlinks=False) else "link" if e.is_symlink() else "file"
-            lines.append(f"{kind}\t{st.st_size}\t{e.name}" + (f" -> {os.readlink(e.path)}" if kind == "link" else ""))
+        try:
+            for name in sorted(os.listdir(dfd)):
+                try:
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                kind = "dir" if stat.S_ISDIR(st.st_mode) else "link" if stat.S_ISLNK(st.st_mode) else "file"
+                lines.append(f"{kind}\t{st.st_size}\t{name}"
+                             + (f" -> {os.readlink(name, dir_fd=dfd)}" if kind == "link" else ""))
+        except OSError as e:
+            raise SandboxError(f"{path}: {e.strerror}") from None
+        finally:
+            os.close(dfd)
         text = "\n".join(lines) if lines else "(empty)"
         if len(text) > self.limits.output_bytes:
             text = text[: self.limits.output_bytes] + f"\n[listing truncated: {len(lines)} entries]"
         return text
 
     def disk_usage(self) -> int:
-        total, todo = 0, [self.workdir]
-        while todo:                                    # iterative: os.walk recurses
-            with os.scandir(todo.pop()) as it:
-                for e in it:
-                    total += e.stat(follow_symlinks=False).st_blocks * 512
-                    if e.is_dir(follow_symlinks=False):
-                        todo.append(e.path)
-        return total
+        return fdpath.tree_bytes(self.root_fd)
 
     def destroy(self):
         """Remove the episode directory (and its tmpfs)."""
+        if self.root_fd >= 0:
+            os.close(self.root_fd)
+            self.root_fd = -1
         if self.quota_mount:
             ctypes.CDLL(None, use_errno=True).umount2(self.workdir.encode(), MNT_DETACH)
             self.quota_mount = False

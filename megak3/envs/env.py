@@ -85,11 +85,16 @@ def claim_uid(episode_id: str) -> Tuple[int, int]:
     raise OSError(f"all {UID_SPAN} sandbox uids are in use")
 
 
-def tool_help() -> str:
+def tool_help(namespaces: bool = True) -> str:
+    """The tool text of the first observation; ``namespaces=False``: what the weak mode really gives."""
     names = ", ".join(f"{n}({', '.join(list(req) + list(opt))})" for n, (req, opt) in TOOLS.items())
-    return (f'Call one tool per turn as <tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>. '
-            f"Tools: {names}. Files live in /work and only /work is kept between calls; /tmp is fresh each "
-            f"call, no process outlives its call, and there is no network.")
+    head = f'Call one tool per turn as <tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>. Tools: {names}. '
+    if namespaces:
+        return head + ("Files live in /work and only /work is kept between calls; /tmp is fresh each call, no "
+                       "process outlives its call, and there is no network.")
+    return head + ("Your files live in your working directory, the only place kept between calls; the file tools "
+                   "call it /work. Commands start in it but see the host's filesystem, where /work and /tmp are "
+                   "not yours: use relative paths in commands. No process outlives its call.")
 
 
 class SandboxEnv(Environment):
@@ -129,7 +134,7 @@ class SandboxEnv(Environment):
             sb.write_file(path, content)
         self.state = {"episode_id": self.episode_id, "task": self.task.spec, "turn": 0, "done": False,
                       "reward": 0.0}
-        return f"{self.task.prompt}\n{tool_help()}"
+        return f"{self.task.prompt}\n{tool_help(sb.iso.unshare is not None)}"
 
     def step(self, action) -> StepResult:
         if self.sandbox is None or self.task is None:

@@ -37,6 +37,7 @@ import stat
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Dict, List, Optional
 
@@ -49,6 +50,7 @@ SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 PR_SET_PDEATHSIG = 1
 MNT_DETACH = 2
 MAX_SYMLINKS = 40
+KILL_SECONDS = 10.0          # cleanup bound: killing an episode uid's processes, then removing its cgroups
 
 
 class SandboxError(Exception):
@@ -128,7 +130,10 @@ def _libc_mount(src, dst, fstype, data):
 
 
 def _kill_uid(uid: int) -> int:
-    """SIGKILL every process whose real uid is ``uid`` (the episode's own; never 0)."""
+    """SIGKILL every live process whose real uid is ``uid`` (the episode's own; never 0); return how many.
+
+    Zombies are skipped: they are dead already, hold no resources but a pid until their parent reaps
+    them, and no signal removes them (counting them made the cleanup loop spin until its deadline)."""
     assert uid != 0
     killed = 0
     for pid in os.listdir("/proc"):
@@ -136,11 +141,11 @@ def _kill_uid(uid: int) -> int:
             continue
         try:
             with open(f"/proc/{pid}/status") as f:
-                ruid = next(int(l.split()[1]) for l in f if l.startswith("Uid:"))
-            if ruid == uid:
+                fields = dict(l.split(":", 1) for l in f if ":" in l)
+            if int(fields["Uid"].split()[0]) == uid and fields["State"].split()[0] not in ("Z", "X"):
                 os.kill(int(pid), signal.SIGKILL)
                 killed += 1
-        except (OSError, StopIteration, ValueError):
+        except (OSError, KeyError, IndexError, ValueError):
             continue
     return killed
 
@@ -213,7 +218,7 @@ class ProcessSandbox:
         spec = {
             "root": self.jail_root, "work": self.workdir, "uid": self.uid, "gid": self.uid,
             "cgroups": list(cgroups.values()),
-            "namespaces": ns, "tmp_bytes": lim.disk_bytes, "argv": argv,
+            "namespaces": ns, "cgroup_ns": self.iso.cgroup_ns, "tmp_bytes": lim.disk_bytes, "argv": argv,
             "env": {"PATH": SANDBOX_PATH, "HOME": "/work" if ns else self.workdir, "LANG": "C.UTF-8",
                     "TMPDIR": "/tmp", "PYTHONDONTWRITEBYTECODE": "1"},
             "rlimits": {"RLIMIT_CPU": int(lim.cpu_seconds), "RLIMIT_AS": int(lim.memory_bytes),
@@ -282,16 +287,24 @@ class ProcessSandbox:
                             f.write(str(int(value)))
                 out[kind] = path
             except OSError:
-                self._remove_cgroup(path, time.monotonic() + 1)
+                try:
+                    self._remove_cgroup(path, time.monotonic() + 1)
+                except OSError:
+                    pass
         return out
 
     def _cleanup(self, cgroups: Dict[str, str], ns: bool) -> bool:
-        """Without namespaces: SIGKILL the episode uid's processes until none is left (a fork bomb's
-        survivors fork while we scan). Then empty and remove the command's cgroups (at most 10 s).
-        Returns whether the memory cgroup's OOM killer fired."""
-        deadline = time.monotonic() + 10
+        """Without namespaces: SIGKILL the episode uid's live processes until none is left (a fork bomb's
+        survivors fork while we scan), for at most ``KILL_SECONDS`` (then a warning). Then empty and remove
+        the command's cgroups (at most ``KILL_SECONDS`` more, a warning for any left). Never raises: the
+        command's result stands. Returns whether the memory cgroup's OOM killer fired."""
         if not ns and self.iso.is_root:
-            while _kill_uid(self.uid) and time.monotonic() < deadline:
+            deadline = time.monotonic() + KILL_SECONDS
+            while _kill_uid(self.uid):
+                if time.monotonic() >= deadline:
+                    warnings.warn(f"sandbox uid {self.uid}: processes still alive after {KILL_SECONDS} s of SIGKILL",
+                                  RuntimeWarning, stacklevel=2)
+                    break
                 time.sleep(0.01)
         oom = False
         if "memory" in cgroups:
@@ -300,13 +313,19 @@ class ProcessSandbox:
                     oom = any(l.startswith("oom_kill ") and int(l.split()[1]) > 0 for l in f)
             except (OSError, ValueError):
                 pass
+        deadline = time.monotonic() + KILL_SECONDS
         for path in cgroups.values():
-            self._remove_cgroup(path, deadline)
+            try:
+                self._remove_cgroup(path, deadline)
+            except OSError as e:
+                warnings.warn(f"cgroup {path} not removed: {e}", RuntimeWarning, stacklevel=2)
         return oom
 
     @staticmethod
     def _remove_cgroup(path: str, deadline: float):
-        while time.monotonic() < deadline:
+        """Kill what is in cgroup ``path`` and remove it; tried at least once, retried while busy until
+        ``deadline`` (then OSError EBUSY)."""
+        while True:
             try:
                 with open(os.path.join(path, "cgroup.procs")) as f:
                     for p in f.read().split():
@@ -319,7 +338,7 @@ class ProcessSandbox:
             except OSError as e:
                 if e.errno == errno.ENOENT:
                     return
-                if e.errno != errno.EBUSY:
+                if e.errno != errno.EBUSY or time.monotonic() >= deadline:
                     raise
                 time.sleep(0.005)
 

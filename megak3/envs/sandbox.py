@@ -39,7 +39,7 @@ import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, fields
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from megak3.envs import fdpath
 from megak3.envs.fdpath import remove_tree  # noqa: F401 - re-exported: env.py and pool.py import it here
@@ -129,25 +129,43 @@ def _libc_mount(src, dst, fstype, data):
         raise OSError(ctypes.get_errno(), f"mount {fstype} on {dst}")
 
 
-def _kill_uid(uid: int) -> int:
-    """SIGKILL every live process whose real uid is ``uid`` (the episode's own; never 0); return how many.
+def _proc_status(pid) -> Dict[str, str]:
+    with open(f"/proc/{pid}/status") as f:
+        return dict(l.split(":", 1) for l in f if ":" in l)
 
-    Zombies are skipped: they are dead already, hold no resources but a pid until their parent reaps
-    them, and no signal removes them (counting them made the cleanup loop spin until its deadline)."""
+
+def _kill_uid(uid: int) -> Tuple[int, int, int]:
+    """SIGKILL every live process whose real uid is ``uid`` (the episode's own; never 0).
+
+    Returns (live processes signalled, zombies about to be reaped, stuck zombies). A zombie is dead
+    already and no signal removes it, only its parent's ``wait``: one whose parent is init or dying
+    (of this uid) goes soon, one whose live parent never waits (a process of another uid) stays.
+    Counting zombies as live made the cleanup loop spin until its deadline and skip the cgroups."""
     assert uid != 0
-    killed = 0
+    killed = reaping = stuck = 0
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
-            with open(f"/proc/{pid}/status") as f:
-                fields = dict(l.split(":", 1) for l in f if ":" in l)
-            if int(fields["Uid"].split()[0]) == uid and fields["State"].split()[0] not in ("Z", "X"):
+            st = _proc_status(pid)
+            if int(st["Uid"].split()[0]) != uid:
+                continue
+            if st["State"].split()[0] not in ("Z", "X"):
                 os.kill(int(pid), signal.SIGKILL)
                 killed += 1
+                continue
+            ppid = int(st["PPid"])
+            try:
+                parent_uid = int(_proc_status(ppid)["Uid"].split()[0]) if ppid > 1 else uid
+            except OSError:
+                parent_uid = uid                        # the parent is gone: init adopts and reaps it
+            if parent_uid == uid:
+                reaping += 1
+            else:
+                stuck += 1
         except (OSError, KeyError, IndexError, ValueError):
             continue
-    return killed
+    return killed, reaping, stuck
 
 
 def remove_stale_cgroups() -> int:
@@ -300,12 +318,18 @@ class ProcessSandbox:
         command's result stands. Returns whether the memory cgroup's OOM killer fired."""
         if not ns and self.iso.is_root:
             deadline = time.monotonic() + KILL_SECONDS
-            while _kill_uid(self.uid):
+            while True:
+                live, reaping, stuck = _kill_uid(self.uid)
+                if not live and not reaping:            # RLIMIT_NPROC counts zombies: wait for init's reaping
+                    break
                 if time.monotonic() >= deadline:
-                    warnings.warn(f"sandbox uid {self.uid}: processes still alive after {KILL_SECONDS} s of SIGKILL",
-                                  RuntimeWarning, stacklevel=2)
+                    warnings.warn(f"sandbox uid {self.uid}: {live} processes alive and {reaping} zombies "
+                                  f"unreaped after {KILL_SECONDS:g} s of SIGKILL", RuntimeWarning, stacklevel=2)
                     break
                 time.sleep(0.01)
+            if stuck:
+                warnings.warn(f"sandbox uid {self.uid}: {stuck} zombie(s) whose parents (another uid) do not "
+                              f"reap them; ignored", RuntimeWarning, stacklevel=2)
         oom = False
         if "memory" in cgroups:
             try:

@@ -40,9 +40,9 @@ from megak3.envs import snapshot as snapshot_module
 
 CASES = int(os.environ.get("MEGAK3_ADV_CASES", "500"))
 SEED = int(os.environ.get("MEGAK3_ADV_SEED", "0"))
-PER_ROUND = min(25, CASES)
+PER_ROUND = min(50, CASES)
 OTHER_UID = 4242
-LIMITS = {"wall_seconds": 30, "disk_bytes": 32 << 20, "max_files": 40000, "output_bytes": 65536}
+LIMITS = {"wall_seconds": 10, "disk_bytes": 32 << 20, "max_files": 40000, "output_bytes": 65536}
 TASK = {"family": "ledger", "seed": 0, "max_turns": 100000}
 # the known-vulnerable restore (issue 34): a fixed temp name beside each file, written through with copyfile
 RESTORE_FOLLOWS_TEMP_NAME = ".megak3-restore-{os.getpid()}" in inspect.getsource(snapshot_module)
@@ -113,7 +113,9 @@ def q(s):
 
 
 def build_case(rng, seed, names, targets):
-    """Shell lines that build case ``c<seed>`` (run from /work); returns (lines, facts for the path-tool checks)."""
+    """Shell lines that build case ``c<seed>`` (run from /work); returns (lines, facts for the path-tool checks).
+    A tree deeper than PATH_MAX is built by ``DEEP`` (python: dash's ``cd`` stops at PATH_MAX) before the
+    case's ``chmod`` lines run."""
     d = f"c{seed}"
     lines = [f"mkdir -p {d}/s0/s1 && cd {d}"]
     files = {}
@@ -130,15 +132,13 @@ def build_case(rng, seed, names, targets):
         src = rng.choice(sorted(files))
         lines.append(f"ln {src} hard{seed}")
         files[f"hard{seed}"] = files[src]
-    deep = None
+    deep = deep_spec = None
     if rng.random() < 0.35:                                         # deeper than PATH_MAX
         name = "d" * rng.choice([60, 200, 255])
         depth = 4200 // len(name) + rng.randint(1, 4)
         deep = "/".join([name] * depth)
         leaf = f"leaf {seed}"
-        code = (f"import os\nfor i in range({depth}):\n    os.mkdir({name!r})\n    os.chdir({name!r})\n"
-                f"open('leaf', 'w').write({leaf!r})\nos.symlink({rng.choice(targets)!r}, {rng.choice(names)!r})\n")
-        lines.append(f"python3 -c {q(code)} || echo DEEP-FAILED")      # dash's cd stops at PATH_MAX
+        deep_spec = (d, name, depth, leaf, rng.choice(targets), rng.choice(names))
         files[f"{deep}/leaf"] = leaf
     modes = []
     if rng.random() < 0.4:
@@ -149,18 +149,35 @@ def build_case(rng, seed, names, targets):
     if rng.random() < 0.2:
         lines.append("mkdir locked && echo in > locked/x && chmod 000 locked")
     lines.append("cd /work")
-    return lines, {"dir": d, "files": files, "deep": deep, "modes": modes}
+    return lines, {"dir": d, "files": files, "deep": deep, "deep_spec": deep_spec, "modes": modes}
+
+
+# (case dir, name, depth, leaf text, link target, link name) per deep case; chdir by one relative name at a time
+DEEP = """
+import os, sys
+for d, name, depth, leaf, target, link in {specs!r}:
+    fd = os.open(".", os.O_RDONLY)
+    os.chdir(d)
+    for i in range(depth):
+        os.mkdir(name)
+        os.chdir(name)
+    with open("leaf", "w") as f:
+        f.write(leaf)
+    os.symlink(target, link)
+    os.fchdir(fd)
+    os.close(fd)
+"""
 
 
 def mutate_case(rng, fact, names, targets):
     """Shell lines changing case ``fact`` between a snapshot and its restore."""
     d, files = fact["dir"], sorted(fact["files"])
     lines = [f"cd {d}"]
-    for _ in range(rng.randint(1, 4)):
+    for _ in range(rng.randint(1, 4)):      # writes never open a FIFO an earlier op made (they would block)
         f = rng.choice(files)
         op = rng.randrange(8)
         if op == 0:
-            lines.append(f"echo changed >> {q(f)}")
+            lines.append(f"[ -p {q(f)} ] || echo changed >> {q(f)}")
         elif op == 1:
             lines.append(f"rm -f {q(f)}; ln -s {q(rng.choice(targets))} {q(f)}")
         elif op == 2:
@@ -175,7 +192,8 @@ def mutate_case(rng, fact, names, targets):
         elif op == 6:
             lines.append(f"rm -f {q(f)}; mkdir -p {q(f)}/{q(rng.choice(names))}")
         else:
-            lines.append(f"rm -f {q(f)}; ln {q(rng.choice(files))} {q(f)} 2>/dev/null; echo rewritten >> {q(f)}")
+            lines.append(f"rm -f {q(f)}; ln {q(rng.choice(files))} {q(f)} 2>/dev/null; "
+                         f"[ -p {q(f)} ] || echo rewritten >> {q(f)}")
     lines.append("cd /work")
     return lines
 
@@ -219,12 +237,17 @@ def case_digests(pool, eid):
 
 def build_round(pool, eid, host, rng, seeds):
     names, targets = host_names(pool), host.targets()
-    script, facts = ["chmod -R u+rwx c* 2>/dev/null; rm -rf c*"], []
+    script, chmods, facts = ["chmod -R u+rwx c* 2>/dev/null; rm -rf c*"], [], []
     for s in seeds:
         lines, fact = build_case(random.Random(s), s, names, targets)
-        script += lines
+        script += [l for l in lines if not l.startswith("chmod ")]
+        chmods += [f"chmod {l[6:].split(' ', 1)[0]} {fact['dir']}/{l[6:].split(' ', 1)[1]}"
+                   for l in lines if l.startswith("chmod ")]
         facts.append(fact)
-    out = run(pool, eid, "shell", cmd="\n".join(script) + "\necho built")
+    specs = [f["deep_spec"] for f in facts if f["deep_spec"]]
+    if specs:
+        script.append(f"python3 -c {q(DEEP.format(specs=specs))} || echo DEEP-FAILED")
+    out = run(pool, eid, "shell", cmd="\n".join(script + chmods) + "\necho built")
     assert out.endswith("built\n") and "DEEP-FAILED" not in out, out[:3000]
     return facts
 

@@ -41,8 +41,7 @@ import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Dict, List, Optional, Tuple
 
-from megak3.envs import fdpath
-from megak3.envs.fdpath import remove_tree  # noqa: F401 - re-exported: env.py and pool.py import it here
+from megak3.envs.fdpath import DIR_FLAGS, open_dir, remove_tree, tree_bytes
 from megak3.envs.host import UNSHARE_ARGS, host_isolation
 
 JAIL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jail.py")
@@ -117,6 +116,11 @@ class CommandResult:
         if self.output_bytes > limits.output_bytes:
             text += f"\n[output truncated: first {limits.output_bytes} of {self.output_bytes} bytes]"
         return text
+
+
+def _printable(name: str) -> str:
+    """A file name as observation text: bytes that are not UTF-8 as ``\\xNN`` (never lone surrogates)."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
 def _pdeathsig():
@@ -206,7 +210,7 @@ class ProcessSandbox:
             _libc_mount("tmpfs", self.workdir, "tmpfs",
                         f"size={limits.disk_bytes},nr_inodes={limits.max_files},mode=0700")
             self.quota_mount = True
-        self.root_fd = os.open(self.workdir, fdpath.DIR_FLAGS)     # every path tool starts here
+        self.root_fd = os.open(self.workdir, DIR_FLAGS)     # every path tool starts here
         os.fchmod(self.root_fd, 0o700)
         if self.iso.is_root:
             os.fchown(self.root_fd, uid, uid)
@@ -414,7 +418,7 @@ class ProcessSandbox:
                     todo = [p for p in target.split("/") if p not in ("", ".")] + todo
                     continue
                 if st is not None and stat.S_ISDIR(st.st_mode) and todo:
-                    fds.append(fdpath.open_dir(fds[-1], comp))
+                    fds.append(open_dir(fds[-1], comp))
                 parts.append(comp)
         except OSError as e:
             raise SandboxError(f"{path}: {e.strerror}") from None
@@ -430,12 +434,12 @@ class ProcessSandbox:
         try:
             for comp in parts:
                 try:
-                    nfd = fdpath.open_dir(fd, comp)
+                    nfd = open_dir(fd, comp)
                 except FileNotFoundError:
                     if not create:
                         raise
                     os.mkdir(comp, 0o755, dir_fd=fd)
-                    nfd = fdpath.open_dir(fd, comp)
+                    nfd = open_dir(fd, comp)
                     if self.iso.is_root:
                         os.fchown(nfd, self.uid, self.uid)
                 os.close(fd)
@@ -520,8 +524,8 @@ class ProcessSandbox:
                 except FileNotFoundError:
                     continue
                 kind = "dir" if stat.S_ISDIR(st.st_mode) else "link" if stat.S_ISLNK(st.st_mode) else "file"
-                lines.append(f"{kind}\t{st.st_size}\t{name}"
-                             + (f" -> {os.readlink(name, dir_fd=dfd)}" if kind == "link" else ""))
+                lines.append(f"{kind}\t{st.st_size}\t{_printable(name)}"
+                             + (f" -> {_printable(os.readlink(name, dir_fd=dfd))}" if kind == "link" else ""))
         except OSError as e:
             raise SandboxError(f"{path}: {e.strerror}") from None
         finally:
@@ -532,7 +536,7 @@ class ProcessSandbox:
         return text
 
     def disk_usage(self) -> int:
-        return fdpath.tree_bytes(self.root_fd)
+        return tree_bytes(self.root_fd)
 
     def destroy(self):
         """Remove the episode directory (and its tmpfs)."""

@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple, Union
 
+from megak3.envs.host import host_isolation
 from megak3.envs.sandbox import ProcessSandbox, SandboxError, SandboxLimits, remove_tree
 from megak3.envs.snapshot import SnapshotStats, SnapshotStore, TreeCache, tree_digest
 from megak3.envs.tasks import make_task
@@ -85,8 +86,9 @@ def claim_uid(episode_id: str) -> Tuple[int, int]:
     raise OSError(f"all {UID_SPAN} sandbox uids are in use")
 
 
-def tool_help(namespaces: bool = True) -> str:
-    """The tool text of the first observation; ``namespaces=False``: what the weak mode really gives."""
+def tool_help() -> str:
+    """The tool text of the first observation, true to this host's mode (``host.host_isolation``)."""
+    namespaces = host_isolation().unshare is not None
     names = ", ".join(f"{n}({', '.join(list(req) + list(opt))})" for n, (req, opt) in TOOLS.items())
     head = f'Call one tool per turn as <tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>. Tools: {names}. '
     if namespaces:
@@ -134,7 +136,7 @@ class SandboxEnv(Environment):
             sb.write_file(path, content)
         self.state = {"episode_id": self.episode_id, "task": self.task.spec, "turn": 0, "done": False,
                       "reward": 0.0}
-        return f"{self.task.prompt}\n{tool_help(sb.iso.unshare is not None)}"
+        return f"{self.task.prompt}\n{tool_help()}"
 
     def step(self, action) -> StepResult:
         if self.sandbox is None or self.task is None:

@@ -102,10 +102,12 @@ class Host:
 
 
 def host_names(pool):
-    """Every file name the host side uses inside an episode's tree, for the pids the workers have now."""
+    """Every file name the host side uses or used inside an episode's tree: the old pid-named temporaries for
+    the pids the workers have now, names shaped like today's random ones, the store's and worker's names."""
     pids = [w.pid for w in pool.workers]
     names = [f".megak3-restore-{p}" for p in pids] + [f".megak3-write-{p}" for p in pids]
-    return names + ["objects", "snapshots", "store", ".scratch", "jailroot", "worker.log", "w1", "w2"]
+    guessed = [".megak3-restore-0123456789abcdef", ".megak3-write-0123456789abcdef01234567", ".x.tmp-0123456789abcdef"]
+    return names + guessed + ["objects", "snapshots", "store", ".scratch", "jailroot", "worker.log", "w1", "w2"]
 
 
 def q(s):

@@ -186,7 +186,11 @@ def test_rlimits_only_mode(monkeypatch):
     with EnvPool(1, limits=LIMITS) as p:
         assert "NO namespaces" in p.isolation
         for eid in ("victim", "thief"):
-            p.reset(eid, TASK)
+            obs = p.reset(eid, TASK)
+        # the help tells the truth: commands start in the episode's directory; /work there is the host's
+        assert "the file tools call it /work" in obs and "/work and /tmp are not yours" in obs and "network" not in obs
+        assert call(p, "thief", "shell", cmd="pwd; head -c 13 README.txt") == \
+            f"[exit 0]\n{os.path.join(p.base_dir, 'w1', 'thief')}\nSales ledgers"
         call(p, "victim", "write_file", path="secret.txt", content="s3cret-token")
         victim_dir = os.path.join(p.base_dir, "w1", "victim")
         out = call(p, "thief", "shell", cmd=f"id -u; cat {victim_dir}/secret.txt; ls {victim_dir}")

@@ -64,7 +64,10 @@ def build_root(spec):
     _bind(spec["work"], os.path.join(root, "work"), readonly=False)
     _mount("tmpfs", os.path.join(root, "tmp"), "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={spec['tmp_bytes']},mode=1777")
-    _mount("proc", os.path.join(root, "proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible")
+    try:
+        _mount("proc", os.path.join(root, "proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible")
+    except OSError:                                    # kernels before 5.8 spell it 2
+        _mount("proc", os.path.join(root, "proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
     _mask_proc_stat(root)
     for dev in DEVICES:
         path = os.path.join(root, "dev", dev)

@@ -119,15 +119,17 @@ def main():
             build_root(spec)
         else:
             os.chdir(spec["work"])
-    except OSError as e:                               # the command sees this: no host path in it
-        print(f"sandbox setup failed ({step}): {os.strerror(e.errno) if e.errno else type(e).__name__}", flush=True)
+    except Exception as e:  # noqa: BLE001 - the command sees this line: a step and strerror, no host path, no traceback
+        why = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else type(e).__name__
+        print(f"sandbox setup failed ({step}): {why}", flush=True)
         os._exit(125)
     child = os.fork()
     if child == 0:
         try:
             drop_and_exec(spec)
         except BaseException as e:  # noqa: BLE001 - report anything, never return into the parent's code
-            print(f"sandbox exec failed: {e}", flush=True)
+            why = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else type(e).__name__
+            print(f"sandbox exec failed: {spec['argv'][0]}: {why}", flush=True)
         os._exit(126)
     while True:                                        # pid 1: reap orphans until the command ends
         try:

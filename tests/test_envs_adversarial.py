@@ -115,11 +115,12 @@ def q(s):
 
 
 def build_case(rng, seed, names, targets):
-    """Shell lines that build case ``c<seed>`` (run from /work); returns (lines, facts for the path-tool checks).
+    """Shell lines that build case ``c<seed>`` (run from the episode's directory, never naming /work: in the
+    weak mode a command's /work is the host's); returns (lines, facts for the path-tool checks).
     A tree deeper than PATH_MAX is built by ``DEEP`` (python: dash's ``cd`` stops at PATH_MAX) before the
     case's ``chmod`` lines run."""
     d = f"c{seed}"
-    lines = [f"mkdir -p {d}/s0/s1 && cd {d}"]
+    lines = [f"mkdir -p {d}/s0/s1", f"(cd -P {d} || exit 1"]    # a subshell per case; -P: see tool_help
     files = {}
     for i in range(rng.randint(2, 6)):
         path = rng.choice(["", "s0/", "s0/s1/"]) + f"f{i}"
@@ -150,7 +151,7 @@ def build_case(rng, seed, names, targets):
         modes.append((f, mode))
     if rng.random() < 0.2:
         lines.append("mkdir locked && echo in > locked/x && chmod 000 locked")
-    lines.append("cd /work")
+    lines.append(")")
     return lines, {"dir": d, "files": files, "deep": deep, "deep_spec": deep_spec, "modes": modes}
 
 
@@ -174,7 +175,7 @@ for d, name, depth, leaf, target, link in {specs!r}:
 def mutate_case(rng, fact, names, targets):
     """Shell lines changing case ``fact`` between a snapshot and its restore."""
     d, files = fact["dir"], sorted(fact["files"])
-    lines = [f"cd {d}"]
+    lines = [f"(cd -P {d} || exit 1"]
     for _ in range(rng.randint(1, 4)):      # writes never open a FIFO an earlier op made (they would block)
         f = rng.choice(files)
         op = rng.randrange(8)
@@ -196,7 +197,7 @@ def mutate_case(rng, fact, names, targets):
         else:
             lines.append(f"rm -f {q(f)}; ln {q(rng.choice(files))} {q(f)} 2>/dev/null; "
                          f"[ -p {q(f)} ] || echo rewritten >> {q(f)}")
-    lines.append("cd /work")
+    lines.append(")")
     return lines
 
 

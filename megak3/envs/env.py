@@ -96,7 +96,8 @@ def tool_help() -> str:
                        "process outlives its call, and there is no network.")
     return head + ("Your files live in your working directory, the only place kept between calls; the file tools "
                    "call it /work. Commands start in it but see the host's filesystem, where /work and /tmp are "
-                   "not yours: use relative paths in commands. No process outlives its call.")
+                   "not yours and your directory's absolute path is closed to you: use relative paths (in sh, "
+                   "cd -P). No process outlives its call.")
 
 
 class SandboxEnv(Environment):

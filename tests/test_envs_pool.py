@@ -165,6 +165,12 @@ def test_bad_input_is_refused_before_work(pool, tmp_path):
         EnvPool(1, limits={"cpu_secs": 1})
     with pytest.raises(ValueError, match=r"backend='slurm' must be 'process' or 'ray'"):
         EnvPool(1, backend="slurm")
+    with pytest.raises(ValueError, match=r"^store_limits.gc_bytes=0 must be a positive integer$"):
+        EnvPool(1, store_limits={"gc_bytes": 0})
+    r = subprocess.run([sys.executable, "-m", "megak3.envs.worker", "--store", str(tmp_path), "--base",
+                        str(tmp_path), "--store-limits", '{"keep_last": 0}'], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr == \
+        "megak3.envs.worker: error: --store-limits: store_limits.keep_last=0 must be a positive integer\n"
     r = subprocess.run([sys.executable, "-m", "megak3.envs.worker", "--store", str(tmp_path), "--base",
                         str(tmp_path), "--limits", '{"wall_seconds": -1}'], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr == \
@@ -228,3 +234,176 @@ def test_partial_rollouts_pause_and_resume_across_a_restart(tmp_path):
         for eid, t in tasks.items():
             assert drv2.transcripts[eid][-2][1] == ToolCall("submit", {"answer": make_task(t).answer}).to_text()
             assert len(drv2.transcripts[eid]) == 7                          # prompt + 3 x (model, env)
+
+
+CANARY = b"canary: the host side must never write here\n"
+PLANT = """import os
+T, P = {targets!r}, sorted(set({pids!r}) | {{(ns_last + k) % pid_max for k in range(1, {ahead})}} - set(range(300)))
+for d in ('', 'sub'):
+    os.makedirs(d or '.', exist_ok=True)
+    for p in (P if d == '' else {pids!r}):
+        for i, n in enumerate(('.megak3-restore-%d', '.megak3-write-%d')):
+            os.symlink(T[(p + i) % len(T)], os.path.join(d, n % p))
+    open(os.path.join(d, 'x'), 'w').write('PWNED')
+os.symlink(T[0], 'dirlink')
+print(len(P))
+"""
+
+
+def fingerprints(paths):
+    out = {}
+    for p in paths:
+        st = os.lstat(p)
+        with open(p, "rb") as f:
+            out[p] = (f.read(), st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns)
+    return out
+
+
+def test_planted_links_never_redirect_restore_fork_recovery_or_checkpoint(tmp_path):
+    """The issue's attack: the agent's own tool calls plant symlinks to host files at the worker's
+    restore/write temp names (for the workers' pids and the pids coming next); then every host-side
+    path that restores a tree runs. Canaries: root-owned files outside the episode, one in the store."""
+    store, base = tmp_path / "store", tmp_path / "base"
+    store.mkdir()
+    canaries = [str(tmp_path / "canary"), str(store / "canary")]
+    for p in canaries:
+        with open(p, "wb") as f:
+            f.write(CANARY)
+        os.chmod(p, 0o600)
+    before = fingerprints(canaries)
+    with open("/proc/sys/kernel/ns_last_pid") as f, open("/proc/sys/kernel/pid_max") as g:
+        ns_last, pid_max = int(f.read()), int(g.read())
+    pool = EnvPool(2, store_dir=str(store), base_dir=str(base))
+    try:
+        pool.reset("a", LEDGER)
+        pool.reset("victim", LEDGER)
+        victim = pool.digest("victim")
+        pids = [w.pid for w in pool.workers]
+        ahead = 5000
+        code = PLANT.format(targets=canaries, pids=pids, ahead=ahead).replace("ns_last", str(ns_last)) \
+            .replace("pid_max", str(pid_max))
+        out = pool.step("a", ToolCall("python", {"code": code})).observation
+        assert out.startswith("[exit 0]"), out
+        planted = set(pids) | {(ns_last + k) % pid_max for k in range(1, ahead)}
+        snap, digest = pool.last_snap["a"], pool.digest("a")
+        change = sh("echo changed > x; echo changed > sub/x; rm dirlink; mkdir dirlink")
+
+        def check(what):
+            assert fingerprints(canaries) == before, f"{what}: a host file outside the episode changed"
+
+        pool.step("a", change)
+        try:
+            pool.restore("a", snap)
+        finally:
+            check("EnvPool.restore")
+        assert pool.digest("a") == digest
+        pool.step("a", change)
+        try:
+            pool.fork("a", "b", snap)
+        finally:
+            check("EnvPool.fork")
+        assert pool.digest("b") == digest
+        pool.restore("a", snap)
+        os.kill(pool.worker_pid("a"), signal.SIGKILL)
+        try:
+            assert pool.digest("a") == digest                         # recovered on the other worker
+        finally:
+            check("dead-worker recovery")
+        assert pool.events[-1].moved and not pool.events[-1].failed
+        ckpt = pool.checkpoint()
+    finally:
+        pool.shutdown()
+    with EnvPool.from_checkpoint(ckpt, num_workers=2, base_dir=str(base)) as again:
+        assert any(w.pid in planted for w in again.workers), "the new workers' pids were not planted"
+        try:
+            assert again.digest("a") == digest and again.digest("victim") == victim
+        finally:
+            check("EnvPool.from_checkpoint")
+        assert again.lost == {} and again.events == []
+
+
+def test_deep_paths_and_refused_snapshots_leave_the_episode_usable(tmp_path):
+    with EnvPool(1, store_dir=str(tmp_path / "store"), store_limits={"episode_bytes": 4 << 20}) as pool:
+        pool.reset("e", LEDGER)
+        first = pool.last_snap["e"]
+        wedge = "import os\nfor i in range(20): os.mkdir('d'*250); os.chdir('d'*250)\nprint('deep')"
+        obs = [pool.step("e", ToolCall("python", {"code": wedge})).observation]
+        assert obs[0] == "[exit 0]\ndeep\n" and pool.last_snap["e"] != first       # stored, deep as it is
+        deep, digest = pool.last_snap["e"], pool.digest("e")
+        obs.append(pool.step("e", sh("echo hi")).observation)
+        assert obs[-1] == "[exit 0]\nhi\n"
+        pool.fork("e", "f", deep)
+        assert pool.digest("f") == digest
+        saved = pool.last_snap["e"]
+        # over the snapshot quota: the step answers, says it is not saved, and the last save stays
+        obs.append(pool.step("e", sh("head -c 5000000 /dev/zero > big && echo wrote")).observation)
+        assert obs[-1].startswith("[exit 0]\nwrote\n\n[not saved: /work holds more than 4194304 bytes")
+        assert pool.last_snap["e"] == saved
+        obs.append(pool.step("e", sh("rm big; mkfifo pipe; echo ok")).observation)
+        assert obs[-1].startswith("[exit 0]\nok\n\n[not saved: 1 fifo/socket/device entries (/work/pipe)")
+        assert pool.last_snap["e"] != saved
+        pool.restore("e", first)
+        assert pool.state("e")["turn"] == 0
+        obs.append(pool.step("e", sh("ls")).observation)
+        assert obs[-1].startswith("[exit 0]\n") and "README" in obs[-1]
+        for text in obs:
+            assert str(tmp_path) not in text and pool.base_dir not in text
+
+
+def test_the_driver_ends_a_failed_episode_and_carries_on(tmp_path):
+    """An episode lost for infrastructure reasons (its snapshot gone when its worker died) ends with
+    reward 0; the other episode of the batch finishes normally."""
+    from megak3.envs.driver import ENV_FAILED, EpisodeDriver
+    tasks = {"ok": {"family": "ledger", "seed": 1}, "gone": {"family": "ledger", "seed": 2}}
+    with EnvPool(1, store_dir=str(tmp_path / "store")) as pool:
+        drv = EpisodeDriver(pool)
+        for eid, t in tasks.items():
+            drv.start(eid, t)
+        assert drv.run(ledger_policy, max_turns=1) == {}
+        os.unlink(os.path.join(pool.store_dir, "snapshots", pool.last_snap["gone"] + ".json"))
+        os.kill(pool.workers[0].pid, signal.SIGKILL)
+        done = drv.run(ledger_policy, max_turns=5)
+        assert sorted(done) == ["gone", "ok"] and done["ok"].reward == 1.0
+        assert (done["gone"].observation, done["gone"].reward, done["gone"].info["error"]) == \
+            (ENV_FAILED, 0.0, "environment")
+        assert "gone" in pool.events[-1].failed and "gone" in pool.lost
+        drv.forget("gone")
+        assert "gone" not in pool.lost
+
+
+def test_the_pool_collects_its_store(tmp_path):
+    """Turns that each rewrite a 1 MB file: the pool's own gc keeps the store near its live size; past
+    pool_bytes a turn needing new contents is not saved, one that deletes files is (and frees)."""
+    lim = {"gc_bytes": 3 << 20, "keep_last": 2, "pool_bytes": 6 << 20}
+    with EnvPool(1, store_dir=str(tmp_path / "store"), store_limits=lim) as pool:
+        pool.reset("e", LEDGER)
+        pinned = pool.snapshot("e")
+        sizes = []
+        for i in range(12):
+            pool.step("e", ToolCall("write_file", {"path": "blob", "content": f"{i:08d}" * (1 << 17)}))
+            sizes.append(pool.store.disk_bytes())
+        assert max(sizes) < (2 + 3 + 1.2) * (1 << 20) < 12 << 20       # live + gc_bytes + one turn
+        assert pool.store.has(pinned) and pool.state("e")["turn"] == 12
+        for k in range(3):                                                # 7.5 MB of new contents
+            obs = pool.step("e", sh(f"head -c 2500000 /dev/urandom > r{k}; echo ok")).observation
+        assert obs == "[exit 0]\nok\n" and pool.store_full
+        saved = pool.last_snap["e"]
+        obs = pool.step("e", sh("head -c 1000 /dev/urandom > r3; echo ok")).observation
+        assert obs.startswith("[exit 0]\nok\n\n[not saved: the environment's snapshot store is full")
+        assert pool.last_snap["e"] == saved
+        obs = pool.step("e", sh("rm r*; echo ok")).observation                # needs no new contents: saved
+        assert obs == "[exit 0]\nok\n" and pool.last_snap["e"] != saved and not pool.store_full
+
+
+def test_a_full_disk_does_not_wedge_restore():
+    """Rewriting a file in place needs room for its copy; on a full episode tmpfs the worker restores
+    into a fresh directory instead."""
+    with EnvPool(1, limits={"disk_bytes": 8 << 20}) as pool:
+        pool.reset("e", LEDGER)
+        pool.step("e", sh("head -c 3500000 /dev/urandom > a; head -c 3500000 /dev/urandom > b"))
+        snap, digest = pool.last_snap["e"], pool.digest("e")
+        obs = pool.step("e", sh("head -c 3500000 /dev/urandom > a; head -c 3500000 /dev/urandom > b")).observation
+        assert obs.startswith("[exit 0]"), obs
+        pool.restore("e", snap)
+        assert pool.digest("e") == digest and pool.events == []
+        assert pool.step("e", sh("echo ok")).observation == "[exit 0]\nok\n"

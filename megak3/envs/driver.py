@@ -7,15 +7,19 @@ text}`` call and one ``pool.step_batch`` per turn; what is unfinished after that
 sandbox left as it is, and goes on at the next ``run`` (a partial rollout). ``state_dict()`` is what
 an RL checkpoint stores (the pool's checkpoint, transcripts, results; JSON);
 ``EpisodeDriver.from_state_dict`` brings the episodes back, sandboxes included, in a new pool.
+An episode the pool fails to serve (``pool.StepBatchError``: lost with its worker, its restore
+failed) ends with ``ENV_FAILED`` as its observation, reward 0.0 and ``info["error"] == "environment"``;
+the others carry on.
 """
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Tuple
 
 from megak3.envs.env import StepResult
-from megak3.envs.pool import EnvPool
+from megak3.envs.pool import EnvPool, StepBatchError
 
 Transcript = List[Tuple[str, str]]
+ENV_FAILED = "[the environment failed; this episode is over]"
 
 
 class EpisodeDriver:
@@ -43,7 +47,14 @@ class EpisodeDriver:
             missing = sorted(set(live) - set(actions))
             if missing:
                 raise ValueError(f"policy returned no turn for episodes {missing}")
-            for eid, r in self.pool.step_batch({e: actions[e] for e in live}).items():
+            try:
+                results = self.pool.step_batch({e: actions[e] for e in live})
+            except StepBatchError as e:
+                results = {**e.results, **{eid: StepResult(ENV_FAILED, True, 0.0, {"error": "environment",
+                                                                                 "detail": why})
+                                           for eid, why in e.errors.items()}}
+            for eid in live:
+                r = results[eid]
                 self.transcripts[eid] += [("model", actions[eid]), ("env", r.observation)]
                 if r.done:
                     self.results[eid] = finished[eid] = r

@@ -6,7 +6,11 @@ done, reward, info)``; ``snapshot() -> id``; ``restore(id)``; ``fork(id, episode
 ``SnapshotStore``. Episode state (task spec, turn, done, reward) is a small JSON dict stored inside
 every snapshot, so a snapshot id alone brings an episode back, on any worker that sees the store.
 Model text is read with ``toolcall.parse_tool_call``; a malformed call, a refused path or a failed
-command is the next observation (it uses a turn), never an exception out of ``step``.
+command is the next observation (it uses a turn), never an exception out of ``step``; error text
+names sandbox paths (``/work/...``), never the host's. ``save()`` is the snapshot taken after a
+step: a tree the store refuses (``snapshot.SnapshotRefused``: over ``StoreLimits``) or cannot read is
+not saved, and the note it returns goes into the observation; the episode goes on, and its last
+saved snapshot stays its restore point.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 from megak3.envs.host import host_isolation
 from megak3.envs.sandbox import ProcessSandbox, SandboxError, SandboxLimits, remove_tree
-from megak3.envs.snapshot import SnapshotStats, SnapshotStore, TreeCache, tree_digest
+from megak3.envs.snapshot import SnapshotRefused, SnapshotStats, SnapshotStore, TreeCache, tree_digest
 from megak3.envs.tasks import make_task
 from megak3.envs.toolcall import TOOLS, ToolCall, ToolCallError, parse_tool_call
 
@@ -84,6 +88,18 @@ def claim_uid(episode_id: str) -> Tuple[int, int]:
         except BlockingIOError:
             os.close(fd)
     raise OSError(f"all {UID_SPAN} sandbox uids are in use")
+
+
+def _reason(e: BaseException) -> str:
+    """An error's text without the host paths an ``OSError`` carries."""
+    if isinstance(e, OSError):
+        return e.strerror or type(e).__name__
+    return str(e)
+
+
+def _sandbox_path(rel: str) -> str:
+    """``/work/<rel>`` as printable text (undecodable bytes as ``\\xNN``)."""
+    return "/work/" + os.fsencode(rel).decode("utf-8", "backslashreplace")
 
 
 def tool_help() -> str:
@@ -151,7 +167,10 @@ class SandboxEnv(Environment):
         if isinstance(call, ToolCallError):
             obs, info["error"] = f"error: {call.message}", "malformed"
         elif call.name == "submit":
-            st["reward"] = float(self.task.score(call.arguments["answer"], self.sandbox))
+            try:
+                st["reward"] = float(self.task.score(call.arguments["answer"], self.sandbox))
+            except (OSError, SandboxError) as e:       # the scorer could not run: a failed submission
+                st["reward"], info["error"] = 0.0, f"score failed: {_reason(e)}"
             st["done"] = True
             obs = f"submitted; reward {st['reward']:g}"
         else:
@@ -161,7 +180,7 @@ class SandboxEnv(Environment):
             except SandboxError as e:
                 obs, info["error"] = f"error: {e}", "refused"
             except (OSError, ValueError) as e:        # e.g. a NUL byte in a command, unencodable text
-                obs, info["error"] = f"error: {type(e).__name__}: {e}", "failed"
+                obs, info["error"] = f"error: {type(e).__name__}: {_reason(e)}", "failed"
         if not st["done"] and st["turn"] >= self.task.max_turns:
             st["done"] = True
             obs += f"\n[turn limit {self.task.max_turns} reached; episode over]"
@@ -181,19 +200,43 @@ class SandboxEnv(Environment):
             return sb.list_dir(a["path"])
         raise SandboxError(f"tool {call.name!r} is not served by this environment")
 
-    def snapshot(self) -> str:
+    def snapshot(self, new_bytes: Optional[int] = None) -> str:
         if self.sandbox is None:
             raise RuntimeError(f"episode {self.episode_id}: nothing to snapshot before reset")
-        snap_id, self.last_stats = self.store.snapshot(self.sandbox.workdir, self.cache, dict(self.state))
+        snap_id, self.last_stats = self.store.snapshot(self.sandbox.workdir, self.cache, dict(self.state), new_bytes)
         return snap_id
+
+    def save(self, store_full: bool = False) -> Tuple[Optional[str], str]:
+        """The snapshot after a step: (id or None, note for the observation or ""); never raises.
+        ``store_full``: only a snapshot that needs no new file contents in the store is taken."""
+        try:
+            snap_id = self.snapshot(0 if store_full else None)
+        except (SnapshotRefused, OSError) as e:       # OSError: e.g. an unreadable file when not root
+            why = str(e) if isinstance(e, SnapshotRefused) else f"the snapshot failed: {_reason(e)}"
+            return None, f"[not saved: {why}. Until a turn is saved, a restore of this episode goes back to " \
+                         f"its last saved turn]"
+        skipped = self.last_stats.skipped
+        if not skipped:
+            return snap_id, ""
+        names = ", ".join(_sandbox_path(r) for r in skipped[:5]) + (", ..." if len(skipped) > 5 else "")
+        return snap_id, f"[not saved: {len(skipped)} fifo/socket/device entries ({names}); snapshots keep only " \
+                        f"files, directories and symlinks]"
 
     def restore(self, snap_id: str) -> None:
         self.store.manifest(snap_id)                   # unknown id: KeyError before touching the tree
         if self.sandbox is None:
             self._fresh_sandbox()
-        state, self.last_stats = self.store.restore(snap_id, self.sandbox.workdir, self.cache, self.sandbox.uid)
+        try:
+            state, self.last_stats = self.store.restore(snap_id, self.sandbox.workdir, self.cache, self._owner())
+        except OSError:                                # the tree could not be made over in place: start empty
+            self._fresh_sandbox()
+            state, self.last_stats = self.store.restore(snap_id, self.sandbox.workdir, self.cache, self._owner())
         self.state = {**state, "episode_id": self.episode_id}
         self.task = make_task(state["task"])
+
+    def _owner(self) -> Optional[int]:
+        """The uid restored entries get: the episode's (only root can give files away)."""
+        return self.sandbox.uid if self.sandbox.iso.is_root else None
 
     def fork(self, snap_id: Optional[str], episode_id: str) -> "SandboxEnv":
         """A new, independent episode ``episode_id`` starting from ``snap_id`` (default: a fresh snapshot)."""

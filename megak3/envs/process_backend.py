@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from megak3.envs.sandbox import _pdeathsig
 
@@ -23,9 +23,9 @@ class WorkerDied(Exception):
     """A worker stopped answering: its process ended, its pipe broke, or a reply timed out."""
 
 
-def worker_command(store: str, base: str, limits: Dict) -> List[str]:
+def worker_command(store: str, base: str, limits: Dict, store_limits: Optional[Dict] = None) -> List[str]:
     return [sys.executable, "-m", "megak3.envs.worker", "--store", store, "--base", base,
-            "--limits", json.dumps(limits)]
+            "--limits", json.dumps(limits), "--store-limits", json.dumps(store_limits or {})]
 
 
 class _Future:
@@ -41,10 +41,11 @@ class ProcessWorker:
     started the worker, and the pool may start replacements from any thread.
     """
 
-    def __init__(self, store: str, base: str, limits: Dict, reply_timeout: float, die_with_parent: bool = False):
+    def __init__(self, store: str, base: str, limits: Dict, reply_timeout: float, die_with_parent: bool = False,
+                 store_limits: Optional[Dict] = None):
         self.reply_timeout = reply_timeout
         os.makedirs(base, exist_ok=True)
-        cmd = worker_command(store, base, limits) + (["--die-with-parent"] if die_with_parent else [])
+        cmd = worker_command(store, base, limits, store_limits) + (["--die-with-parent"] if die_with_parent else [])
         with open(os.path.join(base, "worker.log"), "ab") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                          preexec_fn=_pdeathsig if die_with_parent else None,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Dict
+from typing import Dict, Optional
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -27,8 +27,8 @@ def ensure_ray(num_cpus: int = None):
 
 @ray.remote(num_cpus=1, max_restarts=0)
 class EnvWorkerActor:
-    def __init__(self, store: str, base: str, limits: Dict, reply_timeout: float):
-        self.worker = ProcessWorker(store, base, limits, reply_timeout)
+    def __init__(self, store: str, base: str, limits: Dict, reply_timeout: float, store_limits: Optional[Dict] = None):
+        self.worker = ProcessWorker(store, base, limits, reply_timeout, store_limits=store_limits)
 
     def call(self, req: Dict) -> Dict:
         try:
@@ -52,10 +52,10 @@ class _RayFuture:
 
 
 class RayWorker:
-    def __init__(self, store: str, base: str, limits: Dict, reply_timeout: float):
+    def __init__(self, store: str, base: str, limits: Dict, reply_timeout: float, store_limits: Optional[Dict] = None):
         ensure_ray()
         self.reply_timeout = reply_timeout
-        self.actor = EnvWorkerActor.remote(store, base, limits, reply_timeout)
+        self.actor = EnvWorkerActor.remote(store, base, limits, reply_timeout, store_limits)
         d = ray.get(self.actor.describe.remote(), timeout=reply_timeout)
         self.pid, self.worker_pid, self.isolation = d["actor_pid"], d["worker_pid"], d["isolation"]
 

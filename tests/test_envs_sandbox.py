@@ -7,6 +7,7 @@ the host (processes of its uid, its pids cgroup, files outside its directory).
 """
 import os
 import socket
+import sys
 
 import pytest
 
@@ -185,7 +186,11 @@ def test_rlimits_only_mode(monkeypatch):
     with EnvPool(1, limits=LIMITS) as p:
         assert "NO namespaces" in p.isolation
         for eid in ("victim", "thief"):
-            p.reset(eid, TASK)
+            obs = p.reset(eid, TASK)
+        # the help tells the truth: commands start in the episode's directory; /work there is the host's
+        assert "the file tools call it /work" in obs and "/work and /tmp are not yours" in obs and "network" not in obs
+        assert call(p, "thief", "shell", cmd="pwd; head -c 13 README.txt") == \
+            f"[exit 0]\n{os.path.join(p.base_dir, 'w1', 'thief')}\nSales ledgers"
         call(p, "victim", "write_file", path="secret.txt", content="s3cret-token")
         victim_dir = os.path.join(p.base_dir, "w1", "victim")
         out = call(p, "thief", "shell", cmd=f"id -u; cat {victim_dir}/secret.txt; ls {victim_dir}")
@@ -200,3 +205,80 @@ def test_rlimits_only_mode(monkeypatch):
         out = call(p, "thief", "shell", cmd="for i in 1 2 3 4; do head -c 3000000 /dev/zero > f$i || echo FULL; done")
         assert "No space left on device" in out
         assert p.events == []
+
+
+def test_the_agent_cannot_learn_the_worker_pid(pool, namespaces):
+    """No cgroup path, fork count, root process or host path inside the jail names the worker (issue 34)."""
+    eid = "pid-hunt"
+    pool.reset(eid, TASK)
+    out = call(pool, eid, "shell", cmd="cat /proc/self/cgroup; grep ^processes /proc/stat; ls /proc | grep '^[0-9]'; "
+                                        "cat /proc/1/cmdline /proc/1/environ; cat /proc/self/mountinfo; env; "
+                                        "cat /proc/loadavg /proc/sys/kernel/ns_last_pid")
+    cgroup_lines = [l for l in out.split("\n") if l[:1].isdigit() and l.count(":") >= 2]
+    assert cgroup_lines and all(l.endswith(":/") for l in cgroup_lines), out      # a cgroup namespace
+    assert "\nprocesses 0\n" in out                                               # the host's fork counter
+    assert "No such file or directory" in out                                     # /proc/1 (root) is hidden
+    for leak in (f"{pool.pid0}-", pool.base_dir, "jail.py", "megak3_envs", sys.executable):
+        assert leak not in out, leak
+    assert int(out.split("\n")[-2]) < 100                                         # pids of its own namespace
+
+
+def test_zombies_do_not_stall_cleanup(monkeypatch, tmp_path):
+    """A zombie of the episode uid that its parent never reaps (here: this test process) used to make the
+    weak mode's kill loop spin its whole 10 s and then skip removing the command's cgroups."""
+    if os.geteuid() != 0:
+        pytest.skip("per-episode uids and cgroups need root")
+    import time
+
+    from megak3.envs.sandbox import ProcessSandbox, SandboxLimits
+    monkeypatch.setenv("MEGAK3_ENVS_NO_NAMESPACES", "1")
+    host_isolation.cache_clear()
+    uid = 123321
+    zombie = os.fork()
+    if zombie == 0:
+        os.setresuid(uid, uid, uid)
+        os._exit(0)
+    try:
+        sb = ProcessSandbox(str(tmp_path / "ep"), uid, SandboxLimits(wall_seconds=5), scratch=str(tmp_path / "s"))
+        t0 = time.monotonic()
+        with pytest.warns(RuntimeWarning, match="1 zombie"):
+            assert sb.shell("echo hi; pwd") == f"[exit 0]\nhi\n{tmp_path / 'ep'}\n"    # weak mode: cwd = the episode
+        assert time.monotonic() - t0 < 5
+        for cg in (host_isolation().pids_cgroup, host_isolation().memory_cgroup):
+            if cg:
+                assert [d for d in os.listdir(cg) if d.startswith(f"{os.getpid()}-{uid}-")] == []
+        sb.destroy()
+    finally:
+        os.waitpid(zombie, 0)
+        host_isolation.cache_clear()
+
+
+def test_fd_walks_never_follow_links_and_need_no_recursion(tmp_path):
+    """remove_tree/tree_bytes of a tree 3000 deep (past the recursion and the fd limit) full of links to
+    a directory outside: the outside is untouched, the tree is gone."""
+    from megak3.envs.fdpath import remove_tree, tree_bytes
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep")
+    root = tmp_path / "tree"
+    root.mkdir()
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        d = fd
+        for i in range(3000):
+            os.symlink(str(outside), "out", dir_fd=d)
+            os.symlink("../" * 3 + "outside/keep.txt", "rel", dir_fd=d)
+            os.mkdir("d", dir_fd=d)
+            nd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=d)
+            if d != fd:
+                os.close(d)
+            d = nd
+        with open(os.open("leaf", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=d), "wb") as f:
+            f.write(b"x" * 5000)
+        os.close(d)
+        assert tree_bytes(fd) >= 5000
+    finally:
+        os.close(fd)
+    remove_tree(str(root))
+    assert not root.exists() and (outside / "keep.txt").read_text() == "keep"
+    remove_tree(str(root))                                         # gone already: nothing to do

@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple, Union
 
+from megak3.envs.host import host_isolation
 from megak3.envs.sandbox import ProcessSandbox, SandboxError, SandboxLimits, remove_tree
 from megak3.envs.snapshot import SnapshotRefused, SnapshotStats, SnapshotStore, TreeCache, tree_digest
 from megak3.envs.tasks import make_task
@@ -102,10 +103,17 @@ def _sandbox_path(rel: str) -> str:
 
 
 def tool_help() -> str:
+    """The tool text of the first observation, true to this host's mode (``host.host_isolation``)."""
+    namespaces = host_isolation().unshare is not None
     names = ", ".join(f"{n}({', '.join(list(req) + list(opt))})" for n, (req, opt) in TOOLS.items())
-    return (f'Call one tool per turn as <tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>. '
-            f"Tools: {names}. Files live in /work and only /work is kept between calls; /tmp is fresh each "
-            f"call, no process outlives its call, and there is no network.")
+    head = f'Call one tool per turn as <tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>. Tools: {names}. '
+    if namespaces:
+        return head + ("Files live in /work and only /work is kept between calls; /tmp is fresh each call, no "
+                       "process outlives its call, and there is no network.")
+    return head + ("Your files live in your working directory, the only place kept between calls; the file tools "
+                   "call it /work. Commands start in it but see the host's filesystem, where /work and /tmp are "
+                   "not yours and your directory's absolute path is closed to you: use relative paths (in sh, "
+                   "cd -P). No process outlives its call.")
 
 
 class SandboxEnv(Environment):

@@ -1,7 +1,7 @@
 """What containment this host allows, detected once per process by trying it.
 
-``host_isolation()`` runs a throw-away command under ``unshare --net --pid --mount --ipc --uts`` and
-tries to create a pids cgroup and a memory cgroup (v1: below this process's own memory cgroup);
+``host_isolation()`` runs a throw-away command under ``unshare --net --pid --mount --ipc --uts``, one
+under ``unshare --cgroup``, and tries to create a pids cgroup and a memory cgroup (v1: below this process's own memory cgroup);
 ``describe()`` is the one line every worker prints at start-up. Nothing here is assumed: a
 capability is used only if its probe succeeded. ``MEGAK3_ENVS_NO_NAMESPACES=1`` skips the namespaces
 even where they work (the mode a host without them gets; tests use it).
@@ -26,14 +26,16 @@ CGROUP_DIR = "megak3_envs"
 @dataclass(frozen=True)
 class HostIsolation:
     unshare: Optional[str]          # path of unshare(1) when net+pid+mount+ipc+uts namespaces work
+    cgroup_ns: bool                 # cgroup namespaces work (jail.py enters one after joining its cgroups)
     pids_cgroup: Optional[str]      # parent directory for per-command pids cgroups
     memory_cgroup: Optional[str]    # parent directory for per-command memory cgroups
     private_mounts: bool            # this process has its own mount namespace (per-episode tmpfs quotas)
     is_root: bool
 
     def describe(self) -> str:
-        ns = "namespaces net+pid+mount+ipc+uts (no network, private mounts/pids/IPC, chroot)" if self.unshare else \
-             "NO namespaces (unshare unavailable or disabled: commands see the host filesystem and network)"
+        cg_ns = "+cgroup" if self.cgroup_ns else ""
+        ns = f"namespaces net+pid+mount+ipc+uts{cg_ns} (no network, private mounts/pids/IPC, chroot)" if self.unshare \
+            else "NO namespaces (unshare unavailable or disabled: commands see the host filesystem and network)"
         cg = f"pids cgroup {self.pids_cgroup}" if self.pids_cgroup else \
              "no pids cgroup (process count: RLIMIT_NPROC of a per-episode uid)"
         mem = f"memory cgroup {self.memory_cgroup}" if self.memory_cgroup else \
@@ -53,6 +55,16 @@ def _probe_unshare() -> Optional[str]:
     except (OSError, subprocess.SubprocessError):
         return None
     return exe if r.returncode == 0 else None
+
+
+def _probe_cgroup_ns() -> bool:
+    exe = shutil.which("unshare")
+    if exe is None or os.geteuid() != 0:
+        return False
+    try:
+        return subprocess.run([exe, "--cgroup", "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 def _probe_cgroup(roots, knob: str, value: str) -> Optional[str]:
@@ -108,7 +120,7 @@ def enter_private_mounts() -> bool:
 @lru_cache(maxsize=1)
 def host_isolation() -> HostIsolation:
     root = os.geteuid() == 0
-    return HostIsolation(unshare=_probe_unshare(),
+    return HostIsolation(unshare=_probe_unshare(), cgroup_ns=_probe_cgroup_ns(),
                          pids_cgroup=_probe_cgroup(PIDS_CGROUP_ROOTS, "pids.max", "8") if root else None,
                          memory_cgroup=_probe_cgroup(_own_memory_cgroup(), "memory.limit_in_bytes", str(64 << 20))
                          if root else None,

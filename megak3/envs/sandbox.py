@@ -9,14 +9,19 @@ a command: the pid namespace dies with it (without namespaces the worker kills w
 command's cgroup and every process of the episode's uid). Output is merged stdout+stderr,
 truncated to ``output_bytes``; the wall-clock limit kills the whole process group.
 
-The path tools (``read_file``, ``write_file``, ``list_dir``) run in the worker itself, between
-commands, when no process of the episode is alive, so resolving then opening is race-free. Paths
-are ``/work/...`` or relative; ``..`` above ``/work``, other absolute paths and symlinks leading
-outside are refused; symlinks are resolved by hand inside the episode root (an absolute target
-means the sandbox's ``/work``); ``write_file`` replaces the file by rename, so it never writes
-through a hard link into another inode. In the worker's private mount namespace (see
-``host.enter_private_mounts``) the episode directory is its own tmpfs: a hard disk quota
-(``disk_bytes``, ``max_files`` inodes), and hard links to files outside it are impossible (EXDEV).
+The path tools (``read_file``, ``write_file``, ``list_dir``) run in the worker itself (root), between
+commands, on a tree the agent wrote: they never resolve a host path through it. Each starts from a
+directory fd of the episode root, opened when the sandbox is made, and walks one component at a time
+without following links (``fdpath``); symlinks are resolved by hand inside the episode root (an
+absolute target means the sandbox's ``/work``). Paths are ``/work/...`` or relative; ``..`` above
+``/work``, other absolute paths and symlinks leading outside are refused. ``read_file`` opens the
+last component with ``O_NOFOLLOW | O_NONBLOCK`` and reads only a regular file; ``write_file`` writes a
+temporary file under an unpredictable name (``O_EXCL | O_NOFOLLOW``, ``fchown`` to the episode uid) and
+renames it over the target within the same directory fd, so it never writes through a symlink or a
+hard link; missing parents are made with ``mkdirat`` + ``fchown``. Error texts name only the path the
+model gave. In the worker's private mount namespace (see ``host.enter_private_mounts``) the episode
+directory is its own tmpfs: a hard disk quota (``disk_bytes``, ``max_files`` inodes), and hard links to
+files outside it are impossible (EXDEV).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import ctypes
 import errno
 import json
 import os
+import secrets
 import select
 import shutil
 import signal
@@ -31,9 +37,11 @@ import stat
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, fields
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
+from megak3.envs.fdpath import DIR_FLAGS, open_dir, remove_tree, tree_bytes
 from megak3.envs.host import UNSHARE_ARGS, host_isolation
 
 JAIL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jail.py")
@@ -41,6 +49,7 @@ SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 PR_SET_PDEATHSIG = 1
 MNT_DETACH = 2
 MAX_SYMLINKS = 40
+KILL_SECONDS = 10.0          # cleanup bound: killing an episode uid's processes, then removing its cgroups
 
 
 class SandboxError(Exception):
@@ -109,6 +118,11 @@ class CommandResult:
         return text
 
 
+def _printable(name: str) -> str:
+    """A file name as observation text: bytes that are not UTF-8 as ``\\xNN`` (never lone surrogates)."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
+
+
 def _pdeathsig():
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
@@ -119,44 +133,43 @@ def _libc_mount(src, dst, fstype, data):
         raise OSError(ctypes.get_errno(), f"mount {fstype} on {dst}")
 
 
-def _kill_uid(uid: int) -> int:
-    """SIGKILL every process whose real uid is ``uid`` (the episode's own; never 0)."""
+def _proc_status(pid) -> Dict[str, str]:
+    with open(f"/proc/{pid}/status") as f:
+        return dict(l.split(":", 1) for l in f if ":" in l)
+
+
+def _kill_uid(uid: int) -> Tuple[int, int, int]:
+    """SIGKILL every live process whose real uid is ``uid`` (the episode's own; never 0).
+
+    Returns (live processes signalled, zombies about to be reaped, stuck zombies). A zombie is dead
+    already and no signal removes it, only its parent's ``wait``: one whose parent is init or dying
+    (of this uid) goes soon, one whose live parent never waits (a process of another uid) stays.
+    Counting zombies as live made the cleanup loop spin until its deadline and skip the cgroups."""
     assert uid != 0
-    killed = 0
+    killed = reaping = stuck = 0
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
-            with open(f"/proc/{pid}/status") as f:
-                ruid = next(int(l.split()[1]) for l in f if l.startswith("Uid:"))
-            if ruid == uid:
+            st = _proc_status(pid)
+            if int(st["Uid"].split()[0]) != uid:
+                continue
+            if st["State"].split()[0] not in ("Z", "X"):
                 os.kill(int(pid), signal.SIGKILL)
                 killed += 1
-        except (OSError, StopIteration, ValueError):
+                continue
+            ppid = int(st["PPid"])
+            try:
+                parent_uid = int(_proc_status(ppid)["Uid"].split()[0]) if ppid > 1 else uid
+            except OSError:
+                parent_uid = uid                        # the parent is gone: init adopts and reaps it
+            if parent_uid == uid:
+                reaping += 1
+            else:
+                stuck += 1
+        except (OSError, KeyError, IndexError, ValueError):
             continue
-    return killed
-
-
-def remove_tree(path: str):
-    """Delete ``path`` and everything under it without recursion (a command can nest directories
-    deeper than Python's recursion limit, which ``shutil.rmtree`` hits); symlinks are not followed."""
-    if not os.path.lexists(path):
-        return
-    if not os.path.isdir(path) or os.path.islink(path):
-        os.unlink(path)
-        return
-    dirs, todo = [], [path]
-    while todo:
-        d = todo.pop()
-        dirs.append(d)
-        with os.scandir(d) as it:
-            for e in it:
-                if e.is_dir(follow_symlinks=False):
-                    todo.append(e.path)
-                else:
-                    os.unlink(e.path)
-    for d in reversed(dirs):
-        os.rmdir(d)
+    return killed, reaping, stuck
 
 
 def remove_stale_cgroups() -> int:
@@ -197,9 +210,10 @@ class ProcessSandbox:
             _libc_mount("tmpfs", self.workdir, "tmpfs",
                         f"size={limits.disk_bytes},nr_inodes={limits.max_files},mode=0700")
             self.quota_mount = True
-        os.chmod(self.workdir, 0o700)
+        self.root_fd = os.open(self.workdir, DIR_FLAGS)     # every path tool starts here
+        os.fchmod(self.root_fd, 0o700)
         if self.iso.is_root:
-            os.chown(self.workdir, uid, uid)
+            os.fchown(self.root_fd, uid, uid)
         self.python = shutil.which("python3", path=SANDBOX_PATH) or sys.executable
 
     # ---- commands -------------------------------------------------------------------------------
@@ -226,7 +240,7 @@ class ProcessSandbox:
         spec = {
             "root": self.jail_root, "work": self.workdir, "uid": self.uid, "gid": self.uid,
             "cgroups": list(cgroups.values()),
-            "namespaces": ns, "tmp_bytes": lim.disk_bytes, "argv": argv,
+            "namespaces": ns, "cgroup_ns": self.iso.cgroup_ns, "tmp_bytes": lim.disk_bytes, "argv": argv,
             "env": {"PATH": SANDBOX_PATH, "HOME": "/work" if ns else self.workdir, "LANG": "C.UTF-8",
                     "TMPDIR": "/tmp", "PYTHONDONTWRITEBYTECODE": "1"},
             "rlimits": {"RLIMIT_CPU": int(lim.cpu_seconds), "RLIMIT_AS": int(lim.memory_bytes),
@@ -295,17 +309,31 @@ class ProcessSandbox:
                             f.write(str(int(value)))
                 out[kind] = path
             except OSError:
-                self._remove_cgroup(path, time.monotonic() + 1)
+                try:
+                    self._remove_cgroup(path, time.monotonic() + 1)
+                except OSError:
+                    pass
         return out
 
     def _cleanup(self, cgroups: Dict[str, str], ns: bool) -> bool:
-        """Without namespaces: SIGKILL the episode uid's processes until none is left (a fork bomb's
-        survivors fork while we scan). Then empty and remove the command's cgroups (at most 10 s).
-        Returns whether the memory cgroup's OOM killer fired."""
-        deadline = time.monotonic() + 10
+        """Without namespaces: SIGKILL the episode uid's live processes until none is left (a fork bomb's
+        survivors fork while we scan), for at most ``KILL_SECONDS`` (then a warning). Then empty and remove
+        the command's cgroups (at most ``KILL_SECONDS`` more, a warning for any left). Never raises: the
+        command's result stands. Returns whether the memory cgroup's OOM killer fired."""
         if not ns and self.iso.is_root:
-            while _kill_uid(self.uid) and time.monotonic() < deadline:
+            deadline = time.monotonic() + KILL_SECONDS
+            while True:
+                live, reaping, stuck = _kill_uid(self.uid)
+                if not live and not reaping:            # RLIMIT_NPROC counts zombies: wait for init's reaping
+                    break
+                if time.monotonic() >= deadline:
+                    warnings.warn(f"sandbox uid {self.uid}: {live} processes alive and {reaping} zombies "
+                                  f"unreaped after {KILL_SECONDS:g} s of SIGKILL", RuntimeWarning, stacklevel=2)
+                    break
                 time.sleep(0.01)
+            if stuck:
+                warnings.warn(f"sandbox uid {self.uid}: {stuck} zombie(s) whose parents (another uid) do not "
+                              f"reap them; ignored", RuntimeWarning, stacklevel=2)
         oom = False
         if "memory" in cgroups:
             try:
@@ -313,13 +341,19 @@ class ProcessSandbox:
                     oom = any(l.startswith("oom_kill ") and int(l.split()[1]) > 0 for l in f)
             except (OSError, ValueError):
                 pass
+        deadline = time.monotonic() + KILL_SECONDS
         for path in cgroups.values():
-            self._remove_cgroup(path, deadline)
+            try:
+                self._remove_cgroup(path, deadline)
+            except OSError as e:
+                warnings.warn(f"cgroup {path} not removed: {e}", RuntimeWarning, stacklevel=2)
         return oom
 
     @staticmethod
     def _remove_cgroup(path: str, deadline: float):
-        while time.monotonic() < deadline:
+        """Kill what is in cgroup ``path`` and remove it; tried at least once, retried while busy until
+        ``deadline`` (then OSError EBUSY)."""
+        while True:
             try:
                 with open(os.path.join(path, "cgroup.procs")) as f:
                     for p in f.read().split():
@@ -332,13 +366,18 @@ class ProcessSandbox:
             except OSError as e:
                 if e.errno == errno.ENOENT:
                     return
-                if e.errno != errno.EBUSY:
+                if e.errno != errno.EBUSY or time.monotonic() >= deadline:
                     raise
                 time.sleep(0.005)
 
     # ---- path tools -----------------------------------------------------------------------------
-    def resolve(self, path: str, follow_last: bool = True) -> str:
-        """Host path of sandbox path ``path`` inside the episode root, or SandboxError."""
+    def resolve(self, path: str, follow_last: bool = True) -> List[str]:
+        """The components below ``/work`` that sandbox path ``path`` names, or SandboxError.
+
+        Symlinks are resolved by hand inside the episode root (an absolute target means the sandbox's
+        ``/work``), read with ``readlink`` relative to directory fds opened one component at a time
+        without following anything (``fdpath``); a missing component makes the rest lexical.
+        """
         if not isinstance(path, str) or "\0" in path:
             raise SandboxError("path must be a string without NUL bytes")
         if os.path.isabs(path):
@@ -347,119 +386,163 @@ class ProcessSandbox:
             path = path[len("/work"):]
         todo = [p for p in path.split("/") if p not in ("", ".")]
         parts: List[str] = []
+        fds = [os.dup(self.root_fd)]        # fds[i]: the directory parts[:i], while that prefix exists
         links = 0
-        while todo:
-            comp = todo.pop(0)
-            if comp == "..":
-                if not parts:
-                    raise SandboxError(f"{path}: leaves /work")
-                parts.pop()
-                continue
-            host = os.path.join(self.workdir, *parts, comp)
-            try:
-                st = os.lstat(host)
-            except (FileNotFoundError, NotADirectoryError):
-                parts.append(comp)                    # missing: the rest is lexical (write_file makes parents)
-                continue
-            if stat.S_ISLNK(st.st_mode) and (todo or follow_last):
-                links += 1
-                if links > MAX_SYMLINKS:
-                    raise SandboxError(f"{path}: too many symlinks")
-                target = os.readlink(host)
-                if os.path.isabs(target):
-                    if target != "/work" and not target.startswith("/work/"):
-                        raise SandboxError(f"{path}: symlink to {target} leaves /work")
-                    parts, target = [], target[len("/work"):]
-                todo = [p for p in target.split("/") if p not in ("", ".")] + todo
-                continue
-            parts.append(comp)
-        return os.path.join(self.workdir, *parts)
+        try:
+            while todo:
+                comp = todo.pop(0)
+                if comp == "..":
+                    if not parts:
+                        raise SandboxError(f"{path}: leaves /work")
+                    parts.pop()
+                    if len(fds) > len(parts) + 1:
+                        os.close(fds.pop())
+                    continue
+                st = None
+                if len(fds) == len(parts) + 1:
+                    try:
+                        st = os.stat(comp, dir_fd=fds[-1], follow_symlinks=False)
+                    except FileNotFoundError:
+                        pass                            # missing: the rest is lexical (write_file makes parents)
+                if st is not None and stat.S_ISLNK(st.st_mode) and (todo or follow_last):
+                    links += 1
+                    if links > MAX_SYMLINKS:
+                        raise SandboxError(f"{path}: too many symlinks")
+                    target = os.readlink(comp, dir_fd=fds[-1])
+                    if os.path.isabs(target):
+                        if target != "/work" and not target.startswith("/work/"):
+                            raise SandboxError(f"{path}: symlink to {target} leaves /work")
+                        parts, target = [], target[len("/work"):]
+                        while len(fds) > 1:
+                            os.close(fds.pop())
+                    todo = [p for p in target.split("/") if p not in ("", ".")] + todo
+                    continue
+                if st is not None and stat.S_ISDIR(st.st_mode) and todo:
+                    fds.append(open_dir(fds[-1], comp))
+                parts.append(comp)
+        except OSError as e:
+            raise SandboxError(f"{path}: {e.strerror}") from None
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return parts
+
+    def _dir_fd(self, parts: List[str], create: bool = False) -> int:
+        """fd of the episode directory ``parts``, walked from the root fd; ``create`` makes missing ones
+        (mode 0755, owned by the episode uid) with ``mkdirat`` + ``fchown``."""
+        fd = os.dup(self.root_fd)
+        try:
+            for comp in parts:
+                try:
+                    nfd = open_dir(fd, comp)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    os.mkdir(comp, 0o755, dir_fd=fd)
+                    nfd = open_dir(fd, comp)
+                    if self.iso.is_root:
+                        os.fchown(nfd, self.uid, self.uid)
+                os.close(fd)
+                fd = nfd
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def read_file(self, path: str) -> str:
-        host = self.resolve(path)
+        parts = self.resolve(path)
         try:
-            fd = os.open(host, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            dfd = self._dir_fd(parts[:-1])
+            try:
+                fd = os.open(parts[-1] if parts else ".", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+                             | os.O_CLOEXEC, dir_fd=dfd)
+            finally:
+                os.close(dfd)
         except OSError as e:
-            raise SandboxError(f"{path}: {e.strerror}")
+            raise SandboxError(f"{path}: {e.strerror}") from None
         with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise SandboxError(f"{path}: not a regular file")
-            size = os.fstat(fd).st_size
             data = f.read(self.limits.output_bytes)
         text = data.decode("utf-8", "replace")
-        if size > len(data):
-            text += f"\n[file truncated: first {len(data)} of {size} bytes]"
+        if st.st_size > len(data):
+            text += f"\n[file truncated: first {len(data)} of {st.st_size} bytes]"
         return text
 
     def write_file(self, path: str, content: str) -> str:
         data = content.encode("utf-8")
         if len(data) > self.limits.file_bytes:
             raise SandboxError(f"{path}: {len(data)} bytes > file-size limit {self.limits.file_bytes}")
-        host = self.resolve(path, follow_last=False)
-        if host == self.workdir:
+        parts = self.resolve(path, follow_last=False)
+        if not parts:
             raise SandboxError(f"{path}: is the working directory")
-        parent = os.path.dirname(host)
-        self._makedirs(parent)
-        if os.path.isdir(host) and not os.path.islink(host):
-            raise SandboxError(f"{path}: is a directory")
-        tmp = os.path.join(parent, f".megak3-write-{os.getpid()}")
+        rel, name = "/".join(parts), parts[-1]
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            if self.iso.is_root:
-                os.chown(tmp, self.uid, self.uid)
-            os.replace(tmp, host)        # a new inode: never writes through a hard link or symlink
+            dfd = self._dir_fd(parts[:-1], create=True)
         except OSError as e:
-            if os.path.lexists(tmp):
-                os.unlink(tmp)
-            raise SandboxError(f"{path}: {e.strerror}")
-        if not self.quota_mount and self.disk_usage() > self.limits.disk_bytes:
-            os.unlink(host)
-            raise SandboxError(f"{path}: disk quota {self.limits.disk_bytes} bytes exceeded; file not written")
-        return f"wrote {len(data)} bytes to /work/{os.path.relpath(host, self.workdir)}"
-
-    def _makedirs(self, host_dir: str):
-        rel = os.path.relpath(host_dir, self.workdir)
-        cur = self.workdir
-        for comp in ([] if rel == "." else rel.split("/")):
-            cur = os.path.join(cur, comp)
-            if os.path.islink(cur) or (os.path.exists(cur) and not os.path.isdir(cur)):
-                raise SandboxError(f"/work/{rel}: not a directory")
-            if not os.path.exists(cur):
+            what = "not a directory" if e.errno in (errno.ENOTDIR, errno.ELOOP, errno.EEXIST) else e.strerror
+            raise SandboxError(f"/work/{'/'.join(parts[:-1])}: {what}") from None
+        tmp = f".megak3-write-{secrets.token_hex(12)}"   # unpredictable; O_EXCL|O_NOFOLLOW: never an existing name
+        try:
+            try:
+                if stat.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+                    raise SandboxError(f"{path}: is a directory")
+            except FileNotFoundError:
+                pass
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    if self.iso.is_root:
+                        os.fchown(f.fileno(), self.uid, self.uid)
+                    f.write(data)
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)   # a new inode: never writes through a link
+            except OSError as e:
                 try:
-                    os.mkdir(cur, 0o755)
-                except OSError as e:
-                    raise SandboxError(f"/work/{rel}: {e.strerror}")
-                if self.iso.is_root:
-                    os.chown(cur, self.uid, self.uid)
+                    os.unlink(tmp, dir_fd=dfd)
+                except OSError:
+                    pass
+                raise SandboxError(f"{path}: {e.strerror}") from None
+            if not self.quota_mount and self.disk_usage() > self.limits.disk_bytes:
+                os.unlink(name, dir_fd=dfd)
+                raise SandboxError(f"{path}: disk quota {self.limits.disk_bytes} bytes exceeded; file not written")
+        finally:
+            os.close(dfd)
+        return f"wrote {len(data)} bytes to /work/{rel}"
 
     def list_dir(self, path: str = ".") -> str:
-        host = self.resolve(path)
-        if not os.path.isdir(host) or os.path.islink(host):
-            raise SandboxError(f"{path}: not a directory")
+        parts = self.resolve(path)
+        try:
+            dfd = self._dir_fd(parts)
+        except OSError:
+            raise SandboxError(f"{path}: not a directory") from None
         lines = []
-        for e in sorted(os.scandir(host), key=lambda e: e.name):
-            st = e.stat(follow_symlinks=False)
-            kind = "dir" if e.is_dir(follow_symlinks=False) else "link" if e.is_symlink() else "file"
-            lines.append(f"{kind}\t{st.st_size}\t{e.name}" + (f" -> {os.readlink(e.path)}" if kind == "link" else ""))
+        try:
+            for name in sorted(os.listdir(dfd)):
+                try:
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                kind = "dir" if stat.S_ISDIR(st.st_mode) else "link" if stat.S_ISLNK(st.st_mode) else "file"
+                lines.append(f"{kind}\t{st.st_size}\t{_printable(name)}"
+                             + (f" -> {_printable(os.readlink(name, dir_fd=dfd))}" if kind == "link" else ""))
+        except OSError as e:
+            raise SandboxError(f"{path}: {e.strerror}") from None
+        finally:
+            os.close(dfd)
         text = "\n".join(lines) if lines else "(empty)"
         if len(text) > self.limits.output_bytes:
             text = text[: self.limits.output_bytes] + f"\n[listing truncated: {len(lines)} entries]"
         return text
 
     def disk_usage(self) -> int:
-        total, todo = 0, [self.workdir]
-        while todo:                                    # iterative: os.walk recurses
-            with os.scandir(todo.pop()) as it:
-                for e in it:
-                    total += e.stat(follow_symlinks=False).st_blocks * 512
-                    if e.is_dir(follow_symlinks=False):
-                        todo.append(e.path)
-        return total
+        return tree_bytes(self.root_fd)
 
     def destroy(self):
         """Remove the episode directory (and its tmpfs)."""
+        if self.root_fd >= 0:
+            os.close(self.root_fd)
+            self.root_fd = -1
         if self.quota_mount:
             ctypes.CDLL(None, use_errno=True).umount2(self.workdir.encode(), MNT_DETACH)
             self.quota_mount = False

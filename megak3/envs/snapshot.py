@@ -40,6 +40,8 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Dict, Iterator, List, Optional, Tuple
 
+from megak3.envs.fdpath import remove_at
+
 HASH_CHUNK = 1 << 20
 FD_WINDOW = 64                 # directory fds a walk keeps open (the rest are reopened through "..")
 TMP_MAX_AGE = 3600             # gc removes store temp files older than this (a killed writer's)
@@ -216,38 +218,6 @@ def _walk(root_fd: int) -> Iterator[Tuple[str, int, str, os.stat_result]]:
             path.push(nxt[0], nxt[1])
             rels.append(nxt[2])
             pending.append(None)
-    finally:
-        path.close()
-
-
-def remove_at(dir_fd: int, name: str):
-    """Delete entry ``name`` of ``dir_fd`` and everything under it, never following a symlink."""
-    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    if not stat.S_ISDIR(st.st_mode):
-        os.unlink(name, dir_fd=dir_fd)
-        return
-    path = _DirPath(os.dup(dir_fd))
-    names, pending = [name], [None]             # per open directory: its name, its subdirectories to do
-    try:
-        path.push(name, st)
-        while names:
-            if pending[-1] is None:
-                subs = []
-                for n, s in _listing(path.top):
-                    if stat.S_ISDIR(s.st_mode):
-                        subs.append((n, s))
-                    else:
-                        os.unlink(n, dir_fd=path.top)
-                pending[-1] = iter(subs)
-            nxt = next(pending[-1], None)
-            if nxt is not None:
-                path.push(*nxt)
-                names.append(nxt[0])
-                pending.append(None)
-                continue
-            path.pop()                                  # empty now: remove it from its parent
-            os.rmdir(names.pop(), dir_fd=path.top)
-            pending.pop()
     finally:
         path.close()
 

@@ -1,0 +1,138 @@
+"""Engine replicas behind the cache-affine router (megak3/inference/replicas.py, ``serve --replicas N``):
+outputs through 2 worker processes equal one in-process engine's (greedy and seeded sampling, streams
+too); a multi-turn session returns to its replica and that engine reports a prefix hit; a killed
+worker fails only its request (JSON 500), is restarted, and the server keeps serving; bad
+``--replicas`` values are one line and exit 2."""
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from megak3.inference import Engine, SamplingParams
+from megak3.inference.server import make_app
+from test_generate_cli import make_tiny_run
+
+INTERVAL = 16
+
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory):
+    from fastapi.testclient import TestClient
+
+    from megak3.inference.replicas import ReplicaClient
+
+    run, model, tok = make_tiny_run(tmp_path_factory.mktemp("run"))
+    client = ReplicaClient(str(run), 2, checkpoint_interval=INTERVAL, start_timeout=300)
+    app = make_app(None, "tiny", client=client)
+    engine = Engine.from_pretrained(str(run), checkpoint_interval=INTERVAL)
+    with TestClient(app, raise_server_exceptions=False) as c:   # a fault is the app's JSON 500
+        yield c, client, engine, tok
+
+
+def test_two_replicas_equal_one_engine_greedy_seeded_and_streamed(replicated):
+    c, client, engine, tok = replicated
+    prompts = ["def main(", "class Point:", "the quick brown", "return sum(x"]
+    results = {}
+
+    def post(i, body):
+        results[i] = c.post("/v1/completions", json=body).json()
+
+    bodies = [{"prompt": p, "max_tokens": 8, "temperature": 0} for p in prompts]
+    bodies += [{"prompt": p, "max_tokens": 6, "temperature": 0.9, "seed": 5 + i, "ignore_eos": True, "n": 2}
+               for i, p in enumerate(prompts)]
+    threads = [threading.Thread(target=post, args=(i, b)) for i, b in enumerate(bodies)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, b in enumerate(bodies):
+        n = b.get("n", 1)
+        sps = [SamplingParams(max_tokens=b["max_tokens"], temperature=b["temperature"], ignore_eos=b.get("ignore_eos", False),
+                              seed=None if "seed" not in b else b["seed"] + k) for k in range(n)]
+        ref = engine.generate([tok.encode(b["prompt"])] * n, sps)
+        got = results[i]["choices"]
+        assert [x["text"] for x in got] == [r.text for r in ref], (b, got)
+    assert min(client.router.stats.per_replica_work) > 0     # both replicas served
+    # a stream through a replica: the same tokens as the engine's
+    r = c.post("/v1/completions", json={"prompt": "def main(", "max_tokens": 8, "temperature": 0, "stream": True})
+    text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in r.text.split("\n\n")
+                   if e.startswith("data: {"))
+    assert text == engine.generate([tok.encode("def main(")], SamplingParams(max_tokens=8))[0].text
+
+
+def test_a_session_returns_to_its_replica_and_hits_its_cache(replicated):
+    c, client, engine, tok = replicated
+    prompt = tok.encode("the quick brown fox jumps over the lazy dog. def main(argv): return sum(x")
+    assert len(prompt) > 2 * INTERVAL
+    before = [client.replica_stats(k).get("hit_tokens", 0) for k in range(2)]
+    client.router.balance = 1e9    # the load guard is tests/test_router.py's: here the first test's uneven
+    # cumulative work must not move the session
+    r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+    k1 = client.last_replica
+    out = engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+    assert r.json()["choices"][0]["text"] == tok.decode(out)
+    turn2 = prompt + out + tok.encode(" class Point:")
+    r2 = c.post("/v1/completions", json={"prompt": turn2, "max_tokens": 4, "temperature": 0})
+    assert r2.status_code == 200
+    assert client.last_replica == k1 and client.router.stats.fallbacks == 0
+    client.router.balance = 1.1
+    deadline = time.time() + 10            # the worker reports its counters after each engine call
+    while client.replica_stats(k1).get("hit_tokens", 0) == before[k1] and time.time() < deadline:
+        time.sleep(0.05)
+    gained = client.replica_stats(k1)["hit_tokens"] - before[k1]
+    assert gained >= (len(turn2) - 1) // INTERVAL * INTERVAL - INTERVAL and gained > 0
+    assert client.replica_stats(1 - k1).get("hit_tokens", 0) == before[1 - k1]
+    m = c.get("/metrics").text
+    assert f'megak3_replica_routed_prefix_hit_tokens_total{{replica="{k1}"}}' in m
+    assert c.get("/health").json() == {"status": "ok", "replicas": 2, "replicas_up": 2}
+
+
+def test_a_killed_worker_fails_its_request_and_is_restarted(replicated):
+    c, client, engine, tok = replicated
+    rep = client.reps[0]
+    old_pid = rep.proc.pid
+    os.kill(old_pid, signal.SIGSTOP)          # hold it so that the request is in flight when it dies
+    result = {}
+
+    def post():
+        result["r"] = c.post("/v1/completions", json={"prompt": "def", "max_tokens": 4, "temperature": 0})
+
+    client.router.load[1] += 10 ** 6          # make replica 0 the router's choice
+    try:
+        t = threading.Thread(target=post)
+        t.start()
+        deadline = time.time() + 30
+        while not any(call.replica == 0 for call in client.pending.values()) and time.time() < deadline:
+            time.sleep(0.02)
+        os.kill(old_pid, signal.SIGKILL)
+        t.join(60)
+    finally:
+        client.router.load[1] -= 10 ** 6
+    r = result["r"]
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+    assert "replica 0" in r.json()["error"]["message"]
+    ok = c.post("/v1/completions", json={"prompt": "def", "max_tokens": 4, "temperature": 0})   # the other replica
+    assert ok.status_code == 200
+    assert ok.json()["choices"][0]["text"] == engine.generate([tok.encode("def")], SamplingParams(max_tokens=4))[0].text
+    deadline = time.time() + 120
+    while client.replicas_up() < 2 and time.time() < deadline:
+        time.sleep(0.1)
+    assert client.replicas_up() == 2 and rep.proc.pid != old_pid and rep.restarts == 1
+    assert c.get("/health").json()["replicas_up"] == 2
+
+
+def test_bad_replicas_values_are_one_line(tmp_path, capsys):
+    from megak3.inference.cli import main
+
+    for argv, needle in ((["--replicas", "0"], "--replicas 0 must be"), (["--replicas", "two"], "--replicas"),
+                         (["--replicas", "-3"], "--replicas -3 must be"),
+                         (["--checkpoint-interval", "20"], "--checkpoint-interval 20")):
+        try:
+            rc = main(["serve", "--checkpoint", str(tmp_path), "--port", "0", *argv])
+        except SystemExit as e:
+            rc = e.code
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1 and needle in err, err

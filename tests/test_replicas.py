@@ -93,7 +93,7 @@ def test_a_session_returns_to_its_replica_and_hits_its_cache(replicated):
 def test_a_killed_worker_fails_its_request_and_is_restarted(replicated):
     c, client, engine, tok = replicated
     rep = client.reps[0]
-    old_pid = rep.proc.pid
+    old_pid = rep.pid
     os.kill(old_pid, signal.SIGSTOP)          # hold it so that the request is in flight when it dies
     result = {}
 
@@ -120,7 +120,7 @@ def test_a_killed_worker_fails_its_request_and_is_restarted(replicated):
     deadline = time.time() + 120
     while client.replicas_up() < 2 and time.time() < deadline:
         time.sleep(0.1)
-    assert client.replicas_up() == 2 and rep.proc.pid != old_pid and rep.restarts == 1
+    assert client.replicas_up() == 2 and rep.pid != old_pid and rep.restarts == 1
     assert c.get("/health").json()["replicas_up"] == 2
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import json
 import os
 import socket
 import subprocess
@@ -61,74 +62,206 @@ class _Call:
     out: Any                          # asyncio.Future (generate) | asyncio.Queue (stream)
 
 
-class _Replica:
-    """One worker process and the server's end of its socket."""
+class _ProcessLink:
+    """A worker process on this machine and the server's end of its socketpair."""
 
-    def __init__(self, index: int, argv: List[str], start_timeout: float):
-        self.index, self.argv, self.start_timeout = index, argv, start_timeout
-        self.lock = threading.Lock()       # one frame at a time on the socket; swaps on restart
-        self.up, self.restarts = False, 0
-        self.running = self.waiting = 0
-        self.stats: Dict[str, float] = {}
-        self.hello: Dict[str, Any] = {}
-        self.proc: Optional[subprocess.Popen] = None
-        self.sock: Optional[socket.socket] = None
-
-    def spawn(self) -> None:
+    def __init__(self, argv: List[str]):
         mine, theirs = socket.socketpair()
         self.proc = subprocess.Popen([sys.executable, "-m", "megak3.inference.replica_worker",
-                                      "--fd", str(theirs.fileno()), *self.argv],
+                                      "--fd", str(theirs.fileno()), *argv],
                                      pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL)
         theirs.close()
         self.sock = mine
 
-    def handshake(self) -> None:
-        self.sock.settimeout(self.start_timeout)
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def recv(self, timeout: Optional[float] = None) -> dict:
+        self.sock.settimeout(timeout)
         try:
-            msg = recv(self.sock)
+            return recv(self.sock)
+        except socket.timeout:
+            raise WireClosed(f"no message in {timeout} s") from None
+        finally:
+            try:
+                self.sock.settimeout(None)
+            except OSError:
+                pass
+
+    def send(self, msg: dict) -> None:
+        send(self.sock, msg)
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+    def wait(self, timeout: float = 10.0) -> Optional[int]:
+        """The worker's exit status (killed after ``timeout`` seconds)."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+_ACTOR = None
+
+
+def _replica_actor():
+    """The Ray actor class (defined on first use: Ray is imported only with ``--ray-address``). Each
+    actor owns one worker process (a :class:`_ProcessLink` on its node, like megak3/envs/ray_backend.py's
+    env workers) and relays its frames as JSON text: ``send(text)``, ``poll() -> [text] (None: the
+    worker exited)``. The actor runs one call at a time, so frames keep their order."""
+    global _ACTOR
+    if _ACTOR is None:
+        import ray
+
+        @ray.remote(num_cpus=1, max_restarts=0)
+        class ReplicaActor:
+            def __init__(self, argv):
+                import queue as _queue
+
+                self.link, self.q = _ProcessLink(argv), _queue.Queue()
+                threading.Thread(target=self._pump, daemon=True).start()
+
+            def _pump(self):
+                try:
+                    while True:
+                        self.q.put(json.dumps(self.link.recv()))
+                except (WireClosed, OSError):
+                    self.q.put(None)
+
+            def pid(self):
+                return self.link.pid
+
+            def send(self, text: str):
+                self.link.send(json.loads(text))
+
+            def poll(self):
+                out = []
+                while not self.q.empty():
+                    out.append(self.q.get())
+                return out
+
+        _ACTOR = ReplicaActor
+    return _ACTOR
+
+
+class _RayLink:
+    """A worker process owned by a Ray actor (wherever the cluster places it)."""
+
+    def __init__(self, argv: List[str]):
+        self.actor = _replica_actor().remote(argv)
+        self.buf: List[Optional[str]] = []
+        self.pid = None
+
+    def recv(self, timeout: Optional[float] = None) -> dict:
+        import ray
+        from ray.exceptions import RayActorError
+
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self.buf:
+            try:
+                self.buf = ray.get(self.actor.poll.remote())
+            except RayActorError as e:
+                raise WireClosed(f"the replica's Ray actor died: {type(e).__name__}") from None
+            if not self.buf:
+                if end is not None and time.monotonic() > end:
+                    raise WireClosed(f"no message in {timeout} s")
+                time.sleep(0.005)
+        text = self.buf.pop(0)
+        if text is None:
+            raise WireClosed("the replica's worker process exited")
+        return json.loads(text)
+
+    def send(self, msg: dict) -> None:
+        self.actor.send.remote(json.dumps(msg))      # in order: one caller, a one-call-at-a-time actor
+
+    def close(self) -> None:
+        import ray
+
+        ray.kill(self.actor, no_restart=True)
+
+    def wait(self, timeout: float = 10.0) -> Optional[int]:
+        self.close()
+        return None
+
+
+def ensure_ray(address: str) -> None:
+    """Join the Ray cluster at ``address`` ("local": start one on this machine, loopback only)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}}
+    if address == "local":
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                 _node_ip_address="127.0.0.1", configure_logging=False, runtime_env=env)
+    else:
+        ray.init(address=address, log_to_driver=False, configure_logging=False, runtime_env=env)
+
+
+class _Replica:
+    """One engine worker (a :class:`_ProcessLink` or a :class:`_RayLink`) and its last reports."""
+
+    def __init__(self, index: int, argv: List[str], start_timeout: float, ray: bool = False):
+        self.index, self.argv, self.start_timeout, self.ray = index, argv, start_timeout, ray
+        self.lock = threading.Lock()       # one frame at a time on the link; swaps on restart
+        self.up, self.restarts = False, 0
+        self.running = self.waiting = 0
+        self.stats: Dict[str, float] = {}
+        self.hello: Dict[str, Any] = {}
+        self.link = None
+
+    def spawn(self) -> None:
+        self.link = (_RayLink if self.ray else _ProcessLink)(self.argv)
+
+    def handshake(self) -> None:
+        try:
+            msg = self.link.recv(self.start_timeout)
         except (WireClosed, OSError) as e:
-            rc = self.proc.poll()
+            rc = self.link.proc.poll() if isinstance(self.link, _ProcessLink) else None
             raise InferenceError(f"engine replica {self.index} did not start "
                                  f"({'exit status ' + str(rc) if rc is not None else e})") from None
-        finally:
-            self.sock.settimeout(None)
         if msg.get("op") != "hello":
             raise InferenceError(str(msg.get("message") or f"engine replica {self.index} did not start"))
         self.hello, self.stats = msg, dict(msg.get("stats") or {})
         self.up = True
 
+    @property
+    def pid(self) -> Optional[int]:
+        return self.hello.get("pid")
+
     def send(self, msg: dict) -> None:
         with self.lock:
-            if not self.up or self.sock is None:
+            if not self.up or self.link is None:
                 raise ReplicaDied(f"engine replica {self.index} is down (restarting)")
-            send(self.sock, msg)
+            self.link.send(msg)
 
     def stop(self, timeout: float = 10.0) -> None:
         self.up = False
         with self.lock:
-            if self.sock is not None:
-                try:
-                    self.sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                self.sock.close()
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            if self.link is not None:
+                self.link.close()
+        if self.link is not None:
+            self.link.wait(timeout)
 
 
 class ReplicaClient:
     """``replicas`` engine worker processes over ``checkpoint`` behind a :class:`Router` (the module
     docstring). ``threads``: torch threads per worker; ``checkpoint_interval``: the engines' KDA
-    checkpoint interval (the router's granularity); ``policy``: the router's."""
+    checkpoint interval (the router's granularity); ``policy``: the router's; ``ray_address``: run
+    each worker under a Ray actor on that cluster ("local": a Ray instance started here) instead of
+    as a child process; ``max_restarts``: restarts per replica after its worker dies."""
 
     def __init__(self, checkpoint: str, replicas: int, *, device: str = "cpu", dtype: str = "float32",
                  threads: int = 1, checkpoint_interval: int = 512, tokenizer=None, policy: str = "affinity",
-                 max_restarts: int = 3, start_timeout: float = 600.0, metrics=None):
+                 max_restarts: int = 3, start_timeout: float = 600.0, metrics=None, ray_address: Optional[str] = None):
         from .loading import load_config_and_tokenizer
 
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
@@ -137,7 +270,10 @@ class ReplicaClient:
         argv = ["--checkpoint", str(checkpoint), "--device", device, "--dtype", dtype, "--threads", str(threads),
                 "--checkpoint-interval", str(checkpoint_interval)]
         self.max_restarts, self.closing = max_restarts, False
-        self.reps = [_Replica(k, argv, start_timeout) for k in range(replicas)]
+        if ray_address is not None:
+            ensure_ray(ray_address)
+            argv[1] = str(os.path.abspath(os.path.expanduser(str(checkpoint))))   # the actors' working dir differs
+        self.reps = [_Replica(k, argv, start_timeout, ray=ray_address is not None) for k in range(replicas)]
         try:
             for r in self.reps:          # all load at once
                 r.spawn()
@@ -356,10 +492,10 @@ class ReplicaClient:
 
     def _read(self, rep: _Replica) -> None:
         while True:
-            sock = rep.sock
+            link = rep.link
             try:
                 while True:
-                    msg = recv(sock)
+                    msg = link.recv()
                     self._handle(rep, msg)
             except (WireClosed, OSError, ValueError, KeyError, TypeError):
                 pass
@@ -398,16 +534,10 @@ class ReplicaClient:
         with rep.lock:
             rep.up = False
             try:
-                rep.sock.close()
+                rep.link.close()
             except OSError:
                 pass
-        rc = None
-        if rep.proc is not None:
-            try:
-                rc = rep.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                rep.proc.kill()
-                rc = rep.proc.wait()
+        rc = rep.link.wait(10)
         with self.rlock:
             self.router.set_up(k, False)
         rep.running = rep.waiting = 0

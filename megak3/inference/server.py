@@ -294,6 +294,9 @@ def serve_main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--replicas", type=int, default=1,
                    help="engine replicas, each a worker process behind the cache-affine router (default 1: "
                         "one engine in the server process)")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="run the replicas as Ray actors on the Ray cluster at ADDR (auto, HOST:PORT, or local: "
+                        "a Ray instance on this machine); default: worker processes here")
     p.add_argument("--checkpoint-interval", type=int, default=512,
                    help="tokens between the engines' KDA checkpoints (prefix-cache granularity; default 512)")
     a = p.parse_args(argv)
@@ -308,7 +311,7 @@ def serve_main(argv: Optional[List[str]] = None) -> int:
     try:
         sock = bind(a.host, a.port)
         name = a.model_name or Path(a.checkpoint).resolve().name
-        if a.replicas == 1:
+        if a.replicas == 1 and a.ray_address is None:
             app = make_app(load_engine(a), name, a.allowed_local_media_path)
         else:
             from .options import check_checkpoint_path, check_device
@@ -319,7 +322,7 @@ def serve_main(argv: Optional[List[str]] = None) -> int:
             if a.threads < 1:
                 raise ValueError(f"--threads {a.threads} must be >= 1")
             client = ReplicaClient(a.checkpoint, a.replicas, device=a.device, dtype=a.dtype, threads=a.threads,
-                                   checkpoint_interval=a.checkpoint_interval)
+                                   checkpoint_interval=a.checkpoint_interval, ray_address=a.ray_address)
             app = make_app(None, name, a.allowed_local_media_path, client=client)
     except (ValueError, OSError) as e:
         return error_exit(p.prog, e)

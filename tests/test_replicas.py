@@ -136,3 +136,32 @@ def test_bad_replicas_values_are_one_line(tmp_path, capsys):
             rc = e.code
         err = capsys.readouterr().err
         assert rc == 2 and err.count("\n") == 1 and needle in err, err
+
+
+@pytest.mark.slow
+def test_replicas_as_ray_actors_equal_one_engine(tmp_path):
+    """``--ray-address local``: the same worker under a Ray actor (a local Ray instance on loopback)."""
+    ray = pytest.importorskip("ray")
+    import asyncio
+
+    from megak3.inference.engine_client import Request
+    from megak3.inference.replicas import ReplicaClient
+
+    run, model, tok = make_tiny_run(tmp_path / "run")
+    engine = Engine.from_pretrained(str(run))
+    started_here = not ray.is_initialized()
+    client = ReplicaClient(str(run), 2, ray_address="local", checkpoint_interval=INTERVAL)
+    try:
+        prompts = [tok.encode(p) for p in ("def main(", "class Point:", "the quick brown")]
+        sp = SamplingParams(max_tokens=6, temperature=0.8, seed=3)
+
+        async def go():
+            return await asyncio.gather(*(client.generate([Request(p, sp)]) for p in prompts))
+
+        got = [r[0].completion.token_ids for r in asyncio.run(go())]
+        assert got == [c.token_ids for c in engine.generate(prompts, [sp] * 3)]
+        assert min(client.router.stats.per_replica_work) > 0 and client.replicas_up() == 2
+    finally:
+        client.close()
+        if started_here:
+            ray.shutdown()

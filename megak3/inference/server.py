@@ -13,7 +13,9 @@ events, then ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metr
 megak3/inference/metrics.py), and FastAPI's ``/docs`` and ``/openapi.json``. The schemas are
 megak3/inference/api_models.py, the request/response logic megak3/inference/service.py, and every
 engine call goes through one engine thread (megak3/inference/engine_client.py) that batches
-concurrent requests into one ``Engine.generate`` call.
+concurrent requests into one ``Engine.generate`` call. With ``--replicas N`` (N > 1) or
+``--ray-address``, N engine worker processes (or Ray actors) each do that for the requests the
+cache-affine router sends them (megak3/inference/replicas.py); this process then holds no weights.
 
 Errors are JSON in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: a body that is
 not a JSON object, a wrong type or value, an unknown field, a prompt of the model's context or

@@ -165,3 +165,38 @@ def test_replicas_as_ray_actors_equal_one_engine(tmp_path):
         client.close()
         if started_here:
             ray.shutdown()
+
+
+def test_wire_carries_data_only():
+    """Requests, results and image tensors go through JSON and come back equal; bad values are refused
+    by the worker's SamplingParams check; unknown sampling fields are dropped; no pickle anywhere."""
+    import socket
+
+    import torch
+
+    from megak3.inference.engine_client import Request, Result
+    from megak3.inference.replica_wire import (WireClosed, recv, request_in, request_out, result_in, result_out,
+                                               send)
+    from megak3.inference.types import Completion, InferenceError
+
+    ims = [torch.randn(3, 8, 8), torch.randn(3, 4, 4).bfloat16()]
+    sp = SamplingParams(max_tokens=3, temperature=0.5, top_k=4, seed=9, stop=("x",), stop_token_ids=(2,))
+    r = Request([1, 2, 3], sp, ims, 2)
+    a, b = socket.socketpair()
+    send(a, {"op": "generate", "reqs": [request_out(r)]})
+    back = request_in(recv(b)["reqs"][0])
+    assert back.prompt == [1, 2, 3] and back.params == sp and back.top_logprobs == 2
+    assert all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(ims, back.images))
+    res = Result(Completion([1], [4, 5], [-0.5, -1.25], "length", "ab"), [[(4, -0.5), (6, -0.75)], [(5, -1.25)]])
+    assert result_in(result_out(res)) == res
+    bad = request_out(r)
+    bad["params"]["temperature"] = -1
+    bad["params"]["__class__"] = "os.system"
+    with pytest.raises(InferenceError, match="temperature"):
+        request_in(bad)
+    a.sendall(b"\x00\x00\x00\x05[1,2]")
+    with pytest.raises(WireClosed, match="not a JSON object"):
+        recv(b)
+    a.close()
+    with pytest.raises(WireClosed):
+        recv(b)

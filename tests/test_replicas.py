@@ -40,7 +40,7 @@ def test_two_replicas_equal_one_engine_greedy_seeded_and_streamed(replicated):
     def post(i, body):
         results[i] = c.post("/v1/completions", json=body).json()
 
-    bodies = [{"prompt": p, "max_tokens": 8, "temperature": 0} for p in prompts]
+    bodies = [{"prompt": p, "max_tokens": 8, "temperature": 0, "logprobs": 2} for p in prompts]
     bodies += [{"prompt": p, "max_tokens": 6, "temperature": 0.9, "seed": 5 + i, "ignore_eos": True, "n": 2}
                for i, p in enumerate(prompts)]
     threads = [threading.Thread(target=post, args=(i, b)) for i, b in enumerate(bodies)]
@@ -55,6 +55,9 @@ def test_two_replicas_equal_one_engine_greedy_seeded_and_streamed(replicated):
         ref = engine.generate([tok.encode(b["prompt"])] * n, sps)
         got = results[i]["choices"]
         assert [x["text"] for x in got] == [r.text for r in ref], (b, got)
+        if "logprobs" in b:                     # computed in the worker, carried back as numbers
+            assert got[0]["logprobs"]["token_logprobs"] == pytest.approx(ref[0].logprobs, abs=1e-5)
+            assert all(len(t) >= 1 for t in got[0]["logprobs"]["top_logprobs"])
     assert min(client.router.stats.per_replica_work) > 0     # both replicas served
     # a stream through a replica: the same tokens as the engine's
     r = c.post("/v1/completions", json={"prompt": "def main(", "max_tokens": 8, "temperature": 0, "stream": True})
@@ -200,3 +203,36 @@ def test_wire_carries_data_only():
     a.close()
     with pytest.raises(WireClosed):
         recv(b)
+
+
+@pytest.mark.slow
+def test_chat_images_through_a_replica_equal_the_training_forward(tmp_path):
+    """An image in a chat message crosses the wire as data and gives the training forward's greedy
+    tokens; a second turn with the same image returns to its replica, which reports a prefix hit."""
+    import base64
+
+    from fastapi.testclient import TestClient
+
+    from megak3.inference.replicas import ReplicaClient
+    from test_server import _image_reference, _png, shown
+
+    run, model, tok = make_tiny_run(tmp_path / "run", max_seq_len=160, **{"vision.enabled": True})
+    client = ReplicaClient(str(run), 2, checkpoint_interval=INTERVAL)
+    client.router.balance = 1e9        # affinity only (the load guard is tests/test_router.py's)
+    raw = _png(1)
+    url = "data:image/png;base64," + base64.b64encode(raw).decode()
+    with TestClient(make_app(None, "tiny", client=client)) as c:
+        msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "what is it"}]}]
+        r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["message"]["content"]
+        assert text == shown(tok, _image_reference(model, tok, "what is it", raw, 4))
+        k = client.last_replica
+        msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "and then"}]
+        r2 = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "temperature": 0})
+        assert r2.status_code == 200 and client.last_replica == k
+        deadline = time.time() + 10
+        while not client.replica_stats(k).get("hit_tokens") and time.time() < deadline:
+            time.sleep(0.05)
+        assert client.replica_stats(k)["hit_tokens"] > 0 and client.router.stats.per_replica_reused[k] > 0

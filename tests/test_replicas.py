@@ -64,6 +64,19 @@ def test_two_replicas_equal_one_engine_greedy_seeded_and_streamed(replicated):
     text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in r.text.split("\n\n")
                    if e.startswith("data: {"))
     assert text == engine.generate([tok.encode("def main(")], SamplingParams(max_tokens=8))[0].text
+    # n = 2 streamed, seeded: the copies follow the first copy's replica and each equals its own seed's run
+    work = list(client.router.stats.per_replica_work)
+    r = c.post("/v1/completions", json={"prompt": "class", "max_tokens": 5, "temperature": 0.9, "seed": 4, "n": 2,
+                                        "ignore_eos": True, "stream": True})
+    texts = ["", ""]
+    for e in r.text.split("\n\n"):
+        if e.startswith("data: {"):
+            ch = json.loads(e[6:])["choices"][0]
+            texts[ch["index"]] += ch["text"]
+    ref = engine.generate([tok.encode("class")] * 2, [SamplingParams(max_tokens=5, temperature=0.9, seed=4 + k,
+                                                                     ignore_eos=True) for k in range(2)])
+    assert texts == [x.text for x in ref]
+    assert sum(a != b for a, b in zip(work, client.router.stats.per_replica_work)) == 1
 
 
 def test_a_session_returns_to_its_replica_and_hits_its_cache(replicated):

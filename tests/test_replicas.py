@@ -145,7 +145,8 @@ def test_bad_replicas_values_are_one_line(tmp_path, capsys):
 
     for argv, needle in ((["--replicas", "0"], "--replicas 0 must be"), (["--replicas", "two"], "--replicas"),
                          (["--replicas", "-3"], "--replicas -3 must be"),
-                         (["--checkpoint-interval", "20"], "--checkpoint-interval 20")):
+                         (["--checkpoint-interval", "20"], "--checkpoint-interval 20"),
+                         (["--replicas", "2"], "holds no complete megak3 checkpoint")):   # before any worker
         try:
             rc = main(["serve", "--checkpoint", str(tmp_path), "--port", "0", *argv])
         except SystemExit as e:

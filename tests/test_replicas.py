@@ -106,15 +106,14 @@ def test_a_session_returns_to_its_replica_and_hits_its_cache(replicated):
     assert c.get("/health").json() == {"status": "ok", "replicas": 2, "replicas_up": 2}
 
 
-def test_a_killed_worker_fails_its_request_and_is_restarted(replicated):
-    c, client, engine, tok = replicated
-    rep = client.reps[0]
-    old_pid = rep.pid
+def _kill_replica_0_during(c, client, body):
+    """POST ``body`` routed to replica 0, SIGKILL that worker while the request is in flight; the response."""
+    old_pid = client.reps[0].pid
     os.kill(old_pid, signal.SIGSTOP)          # hold it so that the request is in flight when it dies
     result = {}
 
     def post():
-        result["r"] = c.post("/v1/completions", json={"prompt": "def", "max_tokens": 4, "temperature": 0})
+        result["r"] = c.post("/v1/completions", json=body)
 
     client.router.load[1] += 10 ** 6          # make replica 0 the router's choice
     try:
@@ -127,17 +126,29 @@ def test_a_killed_worker_fails_its_request_and_is_restarted(replicated):
         t.join(60)
     finally:
         client.router.load[1] -= 10 ** 6
-    r = result["r"]
-    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
-    assert "replica 0" in r.json()["error"]["message"]
-    ok = c.post("/v1/completions", json={"prompt": "def", "max_tokens": 4, "temperature": 0})   # the other replica
-    assert ok.status_code == 200
-    assert ok.json()["choices"][0]["text"] == engine.generate([tok.encode("def")], SamplingParams(max_tokens=4))[0].text
     deadline = time.time() + 120
     while client.replicas_up() < 2 and time.time() < deadline:
         time.sleep(0.1)
-    assert client.replicas_up() == 2 and rep.pid != old_pid and rep.restarts == 1
-    assert c.get("/health").json()["replicas_up"] == 2
+    assert client.replicas_up() == 2 and client.reps[0].pid != old_pid
+    return result["r"]
+
+
+def test_a_killed_worker_fails_its_request_and_is_restarted(replicated):
+    c, client, engine, tok = replicated
+    body = {"prompt": "def", "max_tokens": 4, "temperature": 0}
+    r = _kill_replica_0_during(c, client, body)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+    assert "replica 0" in r.json()["error"]["message"]
+    assert client.reps[0].restarts == 1 and c.get("/health").json()["replicas_up"] == 2
+    r = _kill_replica_0_during(c, client, {**body, "stream": True})     # a stream: its error event, then [DONE]
+    events = [e[6:] for e in r.text.split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error", r.text
+    assert client.reps[0].restarts == 2
+    for _ in range(2):                                                  # and the server goes on
+        ok = c.post("/v1/completions", json=body)
+        assert ok.status_code == 200
+        assert ok.json()["choices"][0]["text"] == engine.generate([tok.encode("def")],
+                                                                  SamplingParams(max_tokens=4))[0].text
 
 
 def test_bad_replicas_values_are_one_line(tmp_path, capsys):

@@ -50,7 +50,8 @@ def test_two_replicas_equal_one_engine_greedy_seeded_and_streamed(replicated):
         t.join()
     for i, b in enumerate(bodies):
         n = b.get("n", 1)
-        sps = [SamplingParams(max_tokens=b["max_tokens"], temperature=b["temperature"], ignore_eos=b.get("ignore_eos", False),
+        sps = [SamplingParams(max_tokens=b["max_tokens"], temperature=b["temperature"],
+                              ignore_eos=b.get("ignore_eos", False),
                               seed=None if "seed" not in b else b["seed"] + k) for k in range(n)]
         ref = engine.generate([tok.encode(b["prompt"])] * n, sps)
         got = results[i]["choices"]

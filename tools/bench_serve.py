@@ -260,7 +260,8 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint-interval", type=int, default=512, help="the started servers' KDA checkpoint interval")
     a = p.parse_args(argv)
     if a.replicas < 1 or (a.replicas > 1 and not a.checkpoint):
-        p.error(f"--replicas {a.replicas} must be >= 1, and above 1 it needs --checkpoint (the servers are started here)")
+        p.error(f"--replicas {a.replicas} must be >= 1, and above 1 it needs --checkpoint "
+                "(the servers are started here)")
     for name in ("clients", "requests", "prefixes", "prefix_words", "suffix_words", "min_tokens", "threads"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)} must be >= 1")

@@ -577,7 +577,8 @@ class _ReplicaCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         c = self.c
-        fams = [GaugeMetricFamily("megak3_replica_up", "1 when the engine replica's worker is serving", labels=["replica"]),
+        fams = [GaugeMetricFamily("megak3_replica_up", "1 when the engine replica's worker is serving",
+                                  labels=["replica"]),
                 GaugeMetricFamily("megak3_replica_requests_running", "prompts inside the replica's engine call",
                                   labels=["replica"]),
                 GaugeMetricFamily("megak3_replica_requests_waiting", "prompts queued for the replica's engine",
@@ -586,7 +587,8 @@ class _ReplicaCollector:
                                     "prompt tokens the router expected the replica to restore from its cache",
                                     labels=["replica"]),
                 CounterMetricFamily("megak3_replica_prefix_cache_hit_tokens",
-                                    "prompt tokens the replica's engine served from its prefix cache", labels=["replica"]),
+                                    "prompt tokens the replica's engine served from its prefix cache",
+                                    labels=["replica"]),
                 CounterMetricFamily("megak3_replica_restarts", "times the replica's worker was restarted",
                                     labels=["replica"])]
         for r in c.reps:

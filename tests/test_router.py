@@ -100,3 +100,28 @@ def test_bench_router_meets_its_targets_small():
     bad = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_router.py"), "--replicas", "0"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def test_down_replicas_are_skipped_and_restart_cold():
+    r = Router(3, checkpoint_interval=16, balance=100.0)
+    s = list(range(50))
+    k = r.route(s, max_new=4)
+    r.done(r.last_ticket, s + [1, 2, 3, 4])
+    assert r.route(s + [1, 2, 3, 4, 5], max_new=4) == k        # the session sticks
+    r.done(r.last_ticket)
+    r.set_up(k, False)
+    got = [r.route(s, max_new=4) for _ in range(6)]
+    assert k not in got and r.models[k].tokens == 0             # skipped, its cache model emptied
+    for t in list(r.pending):
+        r.done(t)
+    r.set_up(k, True)
+    assert r.route([7] * 40, max_new=1, replica=k) == k          # a group's later copy follows its first
+    r.cached(k, s)                                              # another output of that group, recorded
+    assert r.models[k].match(r._hashes(s + [0], b"")) == 48
+    for j in range(3):
+        r.set_up(j, False)
+    with pytest.raises(RuntimeError, match="no engine replica is up"):
+        r.route(s)
+    rr = Router(3, policy="round_robin")
+    rr.set_up(1, False)
+    assert [rr.route([1, 2]) for _ in range(4)] == [0, 2, 0, 2]

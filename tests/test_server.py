@@ -189,7 +189,7 @@ def test_metrics_count_what_was_served(served):
     assert 0 < _metric(a, "megak3_cache_pages_peak") == engine.cache_stats()["peak_pages"]
     assert 0 <= _metric(a, "megak3_cache_pages_used") <= _metric(a, "megak3_cache_pages_total") == engine.cache.cfg.num_pages
     assert 0 <= _metric(a, "megak3_prefix_cache_hit_rate") <= 1
-    assert c.get("/health").json() == {"status": "ok"}
+    assert c.get("/health").json() == {"status": "ok", "replicas": 1, "replicas_up": 1}
     schema = c.get("/openapi.json").json()            # the pydantic models are the published schema
     assert "/v1/chat/completions" in schema["paths"] and "ChatCompletionRequest" in schema["components"]["schemas"]
 

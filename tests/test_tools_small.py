@@ -145,18 +145,22 @@ def test_bench_long_context(tmp_path):
 
 def test_bench_serve(tmp_path):
     """tools/bench_serve.py starts the server on a tiny checkpoint, 4 clients x 2 requests (half of them
-    streamed): no errors, every output equal to the same request alone; --url off this machine is refused."""
+    streamed): no errors, every output equal to the same request alone, also through a second server with
+    ``serve --replicas 2``; --url off this machine is refused."""
     from test_generate_cli import make_tiny_run
 
     run, _, _ = make_tiny_run(tmp_path / "run")
     out = _tool(tmp_path, "bench_serve", "--checkpoint", str(run), "--clients", "4", "--requests", "2",
                 "--prefix-words", "4", "--suffix-words", "2", "--min-tokens", "2", "--max-tokens", "4",
-                "--timeout", "120")
+                "--timeout", "120", "--replicas", "2", "--checkpoint-interval", "16")
     m = re.search(r"concurrent: 8 requests in .* errors (\d+)", out)
     assert m and m.group(1) == "0", out
     assert "outputs equal to the same request alone: 8/8" in out, out
     assert re.search(r"TTFT p50 \d+\.\d+ s p99 \d+\.\d+ s \(4 streamed\)", out), out
     assert re.search(r"peak server RSS: \d+\.\d MiB; peak cache pages in use: \d+ / \d+", out), out
+    assert re.search(r"concurrent, 2 replicas: 8 requests in .* errors 0", out), out
+    assert "outputs equal to the same request alone (2 replicas): 8/8" in out, out
+    assert re.search(r"2 replicas / 1 engine: \d+\.\d\dx requests/s", out), out
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_serve.py"), "--url", "http://10.0.0.1:80"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))

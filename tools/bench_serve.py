@@ -2,6 +2,7 @@
 
     python tools/bench_serve.py --checkpoint runs/X --clients 32 --requests 4     # starts the server itself
     python tools/bench_serve.py --url http://127.0.0.1:8000 --clients 8 --requests 2
+    python tools/bench_serve.py --checkpoint runs/X --replicas 2 --checkpoint-interval 16   # 1 vs 2 replicas
 
 Without ``--url`` the server is started as ``python -m megak3.generate serve --checkpoint X --port 0``
 on 127.0.0.1 (a free port) and stopped at the end; ``--url`` must be on 127.0.0.1 / localhost.
@@ -17,7 +18,13 @@ Printed: for the concurrent phase, requests/s, generated tokens/s, TTFT p50/p99 
 requests), latency p50/p99 (all), errors; the same for the baseline (every request alone, one at a
 time, non-streamed) and the ratio concurrent / alone; how many outputs equal the same request
 alone; the server's peak RSS (when it was started here) and peak cache pages in use (the server's
-``megak3_cache_pages_peak``: since the server started). Exit status 0 when there were no errors and every output equals its lone run, else 1;
+``megak3_cache_pages_peak``: since the server started) and its prefix-cache hit rate and hit tokens.
+
+``--replicas N`` (N > 1, with ``--checkpoint``): after the above on a one-engine server (the
+baseline), the same concurrent phase runs against a ``serve --replicas N`` server started with the
+same options; printed: its requests/s and generated tokens/s, the ratio N replicas / 1 replica,
+its outputs equal to the lone runs, and the engines' prefix-cache hit rate and hit tokens beside
+the router's expected (routed) hit tokens. Exit status 0 when there were no errors and every output equals its lone run, else 1;
 bad arguments: one line, exit 2.
 """
 import http.client
@@ -109,7 +116,7 @@ class Sampler:
 
     def __init__(self, host, port, pid=None):
         self.host, self.port, self.pid = host, port, pid
-        self.pages, self.pool = 0.0, 0.0
+        self.pages, self.pool, self.hit_rate, self.hit_tokens, self.routed = 0.0, 0.0, 0.0, 0.0, 0.0
 
     def sample(self):
         try:
@@ -119,10 +126,14 @@ class Sampler:
             conn.close()
         except OSError:
             return
-        for name, attr in (("megak3_cache_pages_peak", "pages"), ("megak3_cache_pages_total", "pool")):
+        for name, attr in (("megak3_cache_pages_peak", "pages"), ("megak3_cache_pages_total", "pool"),
+                           ("megak3_prefix_cache_hit_rate", "hit_rate"),
+                           ("megak3_prefix_cache_hit_tokens_total", "hit_tokens")):
             m = re.search(rf"^{name} (\S+)$", text, re.M)
             if m:
                 setattr(self, attr, max(getattr(self, attr), float(m.group(1))))
+        self.routed = sum(float(x) for x in re.findall(r"^megak3_replica_routed_prefix_hit_tokens_total\S* (\S+)$",
+                                                        text, re.M))
 
     def peak_rss_mib(self):
         if self.pid is None:
@@ -179,10 +190,11 @@ def summary(name, results, seconds):
     return len(ok) / seconds, len(errors)
 
 
-def start_server(a):
+def start_server(a, replicas=1):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.Popen([sys.executable, "-m", "megak3.generate", "serve", "--checkpoint", a.checkpoint,
-                          "--port", "0", "--host", "127.0.0.1", "--model-name", "bench", "--threads", str(a.threads)],
+                          "--port", "0", "--host", "127.0.0.1", "--model-name", "bench", "--threads", str(a.threads),
+                          "--replicas", str(replicas), "--checkpoint-interval", str(a.checkpoint_interval)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     box = {}
     reader = threading.Thread(target=lambda: box.setdefault("line", p.stdout.readline()), daemon=True)
@@ -195,6 +207,34 @@ def start_server(a):
         err = p.stderr.read()[-400:] if p.poll() is not None else "no 'serving' line in time"
         raise RuntimeError(f"the server did not start: {err.strip()}")
     return p, int(m.group(1))
+
+
+def replicated_phase(a, reqs, sent, alone, rps1) -> bool:
+    """The concurrent phase again on a ``--replicas N`` server; True when it had no errors and every
+    output equals its lone run."""
+    try:
+        server, port = start_server(a, a.replicas)
+    except RuntimeError as e:
+        print(f"{a.replicas} replicas: {e}")
+        return False
+    try:
+        conc, secs = run_phase("127.0.0.1", port, reqs, a.clients, a.duration, a.timeout)
+        rps, errors = summary(f"concurrent, {a.replicas} replicas", conc, secs)
+        print(f"{a.replicas} replicas / 1 engine: {rps / rps1 if rps1 else float('nan'):.2f}x requests/s")
+        equal = sum(1 for i, r in zip(sent, alone) if isinstance(conc[i], tuple) and isinstance(r, tuple)
+                    and conc[i][:3] == r[:3])
+        print(f"outputs equal to the same request alone ({a.replicas} replicas): {equal}/{len(reqs)}")
+        s = Sampler("127.0.0.1", port)
+        s.sample()
+        print(f"{a.replicas} replicas: prefix-cache hit rate {s.hit_rate:.2f}, hit tokens {s.hit_tokens:.0f} "
+              f"(routed: {s.routed:.0f} expected by the router)")
+        return errors == 0 and equal == len(reqs)
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
 
 
 def main(argv=None) -> int:
@@ -215,7 +255,13 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="the started server's torch threads")
     p.add_argument("--start-timeout", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--replicas", type=int, default=1,
+                   help="also run the concurrent phase on a server with this many engine replicas (needs --checkpoint)")
+    p.add_argument("--checkpoint-interval", type=int, default=512, help="the started servers' KDA checkpoint interval")
     a = p.parse_args(argv)
+    if a.replicas < 1 or (a.replicas > 1 and not a.checkpoint):
+        p.error(f"--replicas {a.replicas} must be >= 1, and above 1 it needs --checkpoint "
+                "(the servers are started here)")
     for name in ("clients", "requests", "prefixes", "prefix_words", "suffix_words", "min_tokens", "threads"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)} must be >= 1")
@@ -256,8 +302,12 @@ def main(argv=None) -> int:
         sampler.sample()
         rss = sampler.peak_rss_mib()
         print(f"peak server RSS: {f'{rss:.1f} MiB' if rss is not None else 'n/a (--url)'}; "
-              f"peak cache pages in use: {sampler.pages:.0f} / {sampler.pool:.0f}")
-        return 0 if errors == 0 and errors1 == 0 and equal == len(reqs) else 1
+              f"peak cache pages in use: {sampler.pages:.0f} / {sampler.pool:.0f}; prefix-cache hit rate "
+              f"{sampler.hit_rate:.2f}, hit tokens {sampler.hit_tokens:.0f}")
+        ok = errors == 0 and errors1 == 0 and equal == len(reqs)
+        if a.replicas > 1:
+            ok = replicated_phase(a, reqs, sent, alone, rps) and ok
+        return 0 if ok else 1
     finally:
         if server is not None:
             server.terminate()

@@ -251,8 +251,13 @@ class EngineClient:
     def num_pages(self) -> int:
         return self.engine.cache.cfg.num_pages
 
+    num_replicas = 1
+
     def alive(self) -> bool:
         return self.thread.is_alive()
+
+    def replicas_up(self) -> int:
+        return int(self.alive())
 
     def _top(self, req: Request, c: Completion) -> List[List[Tuple[int, float]]]:
         if not req.top_logprobs or not c.token_ids:

@@ -131,3 +131,33 @@ def load_model(path, device="cpu", dtype="float32", tokenizer=None) -> Tuple[nn.
     model = model.to(device=device, dtype=DTYPES[dtype]).eval()
     tok = _tokenizer_for(kind, d, config, tokenizer)
     return model, tok, {"kind": kind, "path": str(d), "quant": qcfg}
+
+
+def load_config_and_tokenizer(path, tokenizer=None):
+    """(ModelConfig, Tokenizer) of a checkpoint or HF directory without reading its weights: what a
+    server needs beside engine replicas that load the weights themselves (megak3/inference/replicas.py)."""
+    kind, d = resolve_checkpoint(path)
+    config = None
+    if kind == "hf":
+        from ..interop.hf_config import from_hf_config
+
+        try:
+            cfg = from_hf_config(json.loads((d / "config.json").read_text()))
+        except FileNotFoundError:
+            raise InferenceError(f"checkpoint={path}: the Hugging Face directory has no config.json") from None
+        except (ValueError, KeyError) as e:
+            raise InferenceError(f"checkpoint={path}: config.json: {e}") from None
+    else:
+        from ..checkpoint.reader import CheckpointReader
+        from ..config import model_config_from_dict
+
+        try:
+            reader = CheckpointReader(d)
+        except Exception as e:  # noqa: BLE001 - CheckpointError and OS errors: one line
+            raise InferenceError(f"checkpoint={path}: {e}") from None
+        config = (reader.meta or {}).get("config") or {}
+        reader.close()
+        if not config.get("model"):
+            raise InferenceError(f"checkpoint={d} records no model config; it was not written by the megak3 trainer")
+        cfg = model_config_from_dict(config["model"])
+    return cfg, _tokenizer_for(kind, d, config, tokenizer)

@@ -18,6 +18,13 @@ Each server has its own registry (several servers in one process do not share co
 ``megak3_time_to_first_token_seconds`` histogram, arrival to first token, streamed requests (a
                                        non-streamed request gets its tokens all at once)
 ``megak3_request_latency_seconds``     histogram, arrival to the last byte of the response body
+
+With engine replicas (megak3/inference/replicas.py) the cache series are the replicas' sums
+(``megak3_cache_pages_peak``: the sum of their peaks), and each replica has, labelled
+``replica="k"``: ``megak3_replica_up``, ``megak3_replica_requests_running``,
+``megak3_replica_requests_waiting``, ``megak3_replica_prefix_cache_hit_tokens_total`` (its engine's),
+``megak3_replica_routed_prefix_hit_tokens_total`` (what the router expected it to restore) and
+``megak3_replica_restarts_total``.
 """
 from __future__ import annotations
 

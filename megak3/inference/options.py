@@ -42,4 +42,7 @@ def load_engine(a):
     if a.threads < 1:
         raise ValueError(f"--threads {a.threads} must be >= 1")
     torch.set_num_threads(a.threads)
-    return Engine.from_pretrained(a.checkpoint, device=a.device, dtype=a.dtype)
+    cache = {}
+    if getattr(a, "checkpoint_interval", None) is not None:   # serve's option
+        cache["checkpoint_interval"] = a.checkpoint_interval
+    return Engine.from_pretrained(a.checkpoint, device=a.device, dtype=a.dtype, **cache)

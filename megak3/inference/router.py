@@ -24,7 +24,9 @@ back and records what the replica now caches (prompt and generated tokens).
     r = Router(4, checkpoint_interval=512, capacity_tokens=200_000)   # balance=1.1
     k = r.route(prompt_ids, max_new=256)        # replica index
     ...                                         # replica k generates
-    r.done(k, prompt_ids + output_ids)          # frees its load, records its cache
+    r.done(r.last_ticket, prompt_ids + output_ids)   # frees its load, records its cache
+
+A replica marked down (``set_up(k, False)``: its worker died) is skipped and its model emptied.
 """
 from __future__ import annotations
 
@@ -104,6 +106,7 @@ class RouterStats:
     reused_tokens: int = 0           # tokens the chosen replica's model says it restores
     fallbacks: int = 0               # requests sent elsewhere than their best prefix because of load
     per_replica_work: List[int] = field(default_factory=list)
+    per_replica_reused: List[int] = field(default_factory=list)   # reused_tokens by replica
 
 
 class Router:
@@ -126,30 +129,42 @@ class Router:
         self.pending: Dict[int, List[int]] = {}        # ticket -> [replica, work]
         self._rr = 0
         self._ticket = 0
-        self.stats = RouterStats(per_replica_work=[0] * num_replicas)
+        self.stats = RouterStats(per_replica_work=[0] * num_replicas, per_replica_reused=[0] * num_replicas)
+        self.down: set = set()                         # replicas not to route to (set_up)
 
     def _hashes(self, ids: Sequence[int], salt: bytes) -> List[bytes]:
         # the last prompt token is always computed: a prompt of n tokens can restore at most n - 1
         return boundary_hashes(ids[:max(len(ids) - 1, 0)], self.interval, salt)
 
-    def route(self, ids: Sequence[int], *, max_new: int = 0, salt: bytes = b"") -> int:
-        """The replica for a request of prompt ``ids`` (image ``salt``) and ``max_new`` decode tokens.
-        Returns the replica index; ``self.last_ticket`` names this request for :meth:`done`."""
+    def route(self, ids: Sequence[int], *, max_new: int = 0, salt: bytes = b"", replica: Optional[int] = None) -> int:
+        """The replica for a request of prompt ``ids`` (image ``salt``) and ``max_new`` decode tokens
+        (``replica``: that one if it is up, counted like a routed request: the later copies of a group
+        whose first copy went there). Returns the replica index; ``self.last_ticket`` names this
+        request for :meth:`done`."""
+        up = [j for j in range(self.n) if j not in self.down]
+        if not up:
+            raise RuntimeError(f"no engine replica is up (all {self.n} are down)")
         hashes = self._hashes(ids, salt)
-        reuse = [m.match(hashes) for m in self.models]
+        reuse = [m.match(hashes) if k not in self.down else 0 for k, m in enumerate(self.models)]
         work = [len(ids) - reuse[k] + max_new for k in range(self.n)]
-        if self.policy == "round_robin":
+        if replica is not None and replica not in self.down:
+            k = replica
+        elif self.policy == "round_robin":
+            while self._rr % self.n in self.down:
+                self._rr += 1
             k = self._rr % self.n
             self._rr += 1
         elif self.policy == "least_loaded":
-            k = min(range(self.n), key=lambda j: (self.load[j], j))
+            k = min(up, key=lambda j: (self.load[j], j))
         else:
             cum = self.stats.per_replica_work
-            total = sum(cum)
-            allowed = [j for j in range(self.n)
-                       if cum[j] + work[j] <= self.balance * (total + work[j]) / self.n
-                       and self.load[j] + work[j] <= self.balance * (sum(self.load) + work[j]) / self.n + self.slack]
-            pool = allowed or range(self.n)
+            total = sum(cum[j] for j in up)
+            load = sum(self.load[j] for j in up)
+            n = len(up)
+            allowed = [j for j in up
+                       if cum[j] + work[j] <= self.balance * (total + work[j]) / n
+                       and self.load[j] + work[j] <= self.balance * (load + work[j]) / n + self.slack]
+            pool = allowed or up
             k = max(pool, key=lambda j: (reuse[j], -self.load[j] - work[j], -cum[j], -j))
             if reuse[k] == 0:               # no prefix anywhere it may go: the least outstanding work
                 k = min(pool, key=lambda j: (self.load[j] + work[j], cum[j], j))
@@ -164,6 +179,7 @@ class Router:
         st.routed += 1
         st.prompt_tokens += len(ids)
         st.reused_tokens += reuse[k]
+        st.per_replica_reused[k] += reuse[k]
         st.per_replica_work[k] += work[k]
         return k
 
@@ -173,4 +189,18 @@ class Router:
         k, work = self.pending.pop(ticket)
         self.load[k] -= work
         if ids:
-            self.models[k].insert(self._hashes(ids, salt))
+            self.cached(k, ids, salt)
+
+    def cached(self, replica: int, ids: Sequence[int], salt: bytes = b"") -> None:
+        """Record that ``replica`` now caches ``ids`` (e.g. the other outputs of an n > 1 request)."""
+        if replica not in self.down:
+            self.models[replica].insert(self._hashes(ids, salt))
+
+    def set_up(self, replica: int, up: bool) -> None:
+        """Mark ``replica`` up or down: a down replica is never routed to, and its cache model is
+        emptied (a restarted engine starts cold)."""
+        if up:
+            self.down.discard(replica)
+        else:
+            self.down.add(replica)
+            self.models[replica] = PrefixModel(self.interval, self.models[replica].capacity)

@@ -13,7 +13,9 @@ events, then ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metr
 megak3/inference/metrics.py), and FastAPI's ``/docs`` and ``/openapi.json``. The schemas are
 megak3/inference/api_models.py, the request/response logic megak3/inference/service.py, and every
 engine call goes through one engine thread (megak3/inference/engine_client.py) that batches
-concurrent requests into one ``Engine.generate`` call.
+concurrent requests into one ``Engine.generate`` call. With ``--replicas N`` (N > 1) or
+``--ray-address``, N engine worker processes (or Ray actors) each do that for the requests the
+cache-affine router sends them (megak3/inference/replicas.py); this process then holds no weights.
 
 Errors are JSON in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: a body that is
 not a JSON object, a wrong type or value, an unknown field, a prompt of the model's context or
@@ -148,9 +150,11 @@ class _Guard:
                 self.metrics.latency.observe(time.perf_counter() - t0)
 
 
-def make_app(engine, model_name: str = "megak3", allowed_media_dir: Optional[str] = None):
+def make_app(engine, model_name: str = "megak3", allowed_media_dir: Optional[str] = None, client=None):
     """The FastAPI application serving ``engine`` (starts its engine thread; ``app.state.client.close()``
-    stops it, as the app's shutdown does). ``allowed_media_dir``: file:// images under it are read."""
+    stops it, as the app's shutdown does). ``allowed_media_dir``: file:// images under it are read.
+    ``client``: serve through this client instead (a :class:`megak3.inference.replicas.ReplicaClient`;
+    ``engine`` is then None)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
@@ -166,7 +170,8 @@ def make_app(engine, model_name: str = "megak3", allowed_media_dir: Optional[str
 
     if allowed_media_dir is not None and not Path(allowed_media_dir).is_dir():
         raise ValueError(f"--allowed-local-media-path {allowed_media_dir}: no such directory")
-    client = EngineClient(engine)
+    if client is None:
+        client = EngineClient(engine)
     metrics = ServerMetrics(lambda: client.cache_stats(), client.num_pages)
     client.metrics = metrics
     service = OpenAIService(client, model_name, allowed_media_dir, metrics)
@@ -222,6 +227,9 @@ def make_app(engine, model_name: str = "megak3", allowed_media_dir: Optional[str
                     yield f"data: {json.dumps(ev)}\n\n"
             except (RequestError, InferenceError) as e:   # after the headers: an error event ends the stream
                 yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'invalid_request_error'}})}\n\n"
+            except Exception as e:  # noqa: BLE001 - a fault (an engine replica that died): its error event
+                err = {"message": f"{type(e).__name__}: {e}", "type": "server_error"}
+                yield f"data: {json.dumps({'error': err})}\n\n"
             finally:
                 await gen.aclose()
             yield "data: [DONE]\n\n"
@@ -246,9 +254,11 @@ def make_app(engine, model_name: str = "megak3", allowed_media_dir: Optional[str
 
     @app.get("/health")
     async def health():
-        if not client.alive():
-            return JSONResponse({"status": "engine thread stopped"}, status_code=503)
-        return {"status": "ok"}
+        n, up = client.num_replicas, client.replicas_up()
+        if not up:
+            status = "engine thread stopped" if n == 1 else "no engine replica is up"
+            return JSONResponse({"status": status, "replicas": n, "replicas_up": 0}, status_code=503)
+        return {"status": "ok", "replicas": n, "replicas_up": up}
 
     @app.get("/metrics")
     async def prometheus():
@@ -283,16 +293,39 @@ def serve_main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="let requests' file:// image URLs read image files under DIR (default: no local files)")
     p.add_argument("--log-requests", action="store_true", help="log one line per request on stderr")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="engine replicas, each a worker process behind the cache-affine router (default 1: "
+                        "one engine in the server process)")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="run the replicas as Ray actors on the Ray cluster at ADDR (auto, HOST:PORT, or local: "
+                        "a Ray instance on this machine); default: worker processes here")
+    p.add_argument("--checkpoint-interval", type=int, default=512,
+                   help="tokens between the engines' KDA checkpoints (prefix-cache granularity; default 512)")
     a = p.parse_args(argv)
+    if a.replicas < 1:
+        p.error(f"--replicas {a.replicas} must be an integer >= 1 (engine replicas; 1 = one in-process engine)")
+    if a.checkpoint_interval < 1 or a.checkpoint_interval % 16:
+        p.error(f"--checkpoint-interval {a.checkpoint_interval} must be a positive multiple of 16 (the page size)")
     if not 0 <= a.port < 65536:
         p.error(f"--port {a.port} must lie in [0, 65535]")
     if a.allowed_local_media_path is not None and not Path(a.allowed_local_media_path).is_dir():
         p.error(f"--allowed-local-media-path {a.allowed_local_media_path}: no such directory")
     try:
         sock = bind(a.host, a.port)
-        engine = load_engine(a)
         name = a.model_name or Path(a.checkpoint).resolve().name
-        app = make_app(engine, name, a.allowed_local_media_path)
+        if a.replicas == 1 and a.ray_address is None:
+            app = make_app(load_engine(a), name, a.allowed_local_media_path)
+        else:
+            from .options import check_checkpoint_path, check_device
+            from .replicas import ReplicaClient
+
+            check_checkpoint_path(a.checkpoint)
+            check_device(a.device)
+            if a.threads < 1:
+                raise ValueError(f"--threads {a.threads} must be >= 1")
+            client = ReplicaClient(a.checkpoint, a.replicas, device=a.device, dtype=a.dtype, threads=a.threads,
+                                   checkpoint_interval=a.checkpoint_interval, ray_address=a.ray_address)
+            app = make_app(None, name, a.allowed_local_media_path, client=client)
     except (ValueError, OSError) as e:
         return error_exit(p.prog, e)
     host, port = sock.getsockname()[:2]

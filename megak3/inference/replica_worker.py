@@ -1,0 +1,152 @@
+"""One engine replica in its own process: loads the checkpoint, then serves engine jobs from the server
+over the socket it inherited (megak3/inference/replica_wire.py: JSON frames, no pickle).
+
+    python -m megak3.inference.replica_worker --fd N --checkpoint RUN [--device cpu] [--dtype float32]
+        [--threads 1] [--checkpoint-interval 512]
+
+Inside, an :class:`megak3.inference.engine_client.EngineClient` (the server's single-engine adapter)
+batches the jobs that arrive together into one ``Engine.generate`` call and streams through
+``Engine.stream``, exactly as the one-engine server does. Started by
+:class:`megak3.inference.replicas.ReplicaClient`; it exits when the server closes the socket.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import sys
+import threading
+
+from .replica_wire import WireClosed, error_out, recv, request_in, result_out, send
+
+
+class _Load:
+    """The engine client's metrics hooks, reduced to the running / waiting counts the worker reports."""
+
+    class _Counter:
+        def __init__(self, owner):
+            self.owner, self.v = owner, 0
+
+        def inc(self, n=1):
+            self.v += n
+            self.owner.changed()
+
+        def dec(self, n=1):
+            self.v -= n
+            self.owner.changed()
+
+    class _Nop:
+        def observe(self, *_):
+            pass
+
+    def __init__(self, report):
+        self.report = report
+        self.running, self.waiting, self.ttft = self._Counter(self), self._Counter(self), self._Nop()
+
+    def changed(self):
+        self.report()
+
+    def finished(self, *_):
+        pass
+
+
+def serve(sock: socket.socket, engine) -> None:
+    from .engine_client import EngineClient
+
+    loop = asyncio.new_event_loop()
+    lock = threading.Lock()
+
+    def put(msg):
+        with lock:
+            send(sock, msg)
+
+    client = EngineClient(engine)
+
+    def report():   # called by the engine thread and the loop thread: a snapshot, sent as is
+        try:
+            put({"op": "load", "running": load.running.v, "waiting": load.waiting.v, "stats": client.cache_stats()})
+        except OSError:
+            pass
+
+    load = _Load(report)
+    client.metrics = load
+    tasks = {}
+    put({"op": "hello", "pid": os.getpid(), "max_context": engine.max_context,
+         "num_pages": engine.cache.cfg.num_pages, "page_size": engine.cache.cfg.page_size,
+         "checkpoint_interval": engine.cache.cfg.checkpoint_interval, "stats": client.cache_stats()})
+
+    async def run(msg):
+        rid = msg["id"]
+        try:
+            reqs = [request_in(x, _device(engine)) for x in msg["reqs"]]
+            if msg["op"] == "generate":
+                res = await client.generate(reqs)
+                put({"id": rid, "op": "result", "results": [result_out(r) for r in res]})
+            else:
+                agen = client.stream(reqs[0])
+                try:
+                    async for t, lp, top in agen:
+                        put({"id": rid, "op": "token", "t": int(t), "lp": float(lp),
+                             "top": [[int(i), float(v)] for i, v in top]})
+                finally:
+                    await agen.aclose()
+                put({"id": rid, "op": "end"})
+        except asyncio.CancelledError:
+            pass
+        except Exception as e:  # noqa: BLE001 - the request's error goes back to the server
+            put(error_out(rid, e))
+        finally:
+            tasks.pop(rid, None)
+            report()
+
+    def dispatch(msg):
+        if msg.get("op") == "cancel":
+            t = tasks.get(msg.get("id"))
+            if t is not None:
+                t.cancel()
+        elif msg.get("op") in ("generate", "stream"):
+            tasks[msg["id"]] = loop.create_task(run(msg))
+
+    def reader():
+        try:
+            while True:
+                msg = recv(sock)
+                loop.call_soon_threadsafe(dispatch, msg)
+        except (WireClosed, OSError):
+            loop.call_soon_threadsafe(loop.stop)
+
+    threading.Thread(target=reader, name="replica-reader", daemon=True).start()
+    try:
+        loop.run_forever()
+    finally:
+        client.close()
+
+
+def _device(engine):
+    return next(engine.model.parameters()).device
+
+
+def main(argv=None) -> int:
+    from megak3.inference.options import add_model_args, load_engine
+
+    p = argparse.ArgumentParser(prog="python -m megak3.inference.replica_worker")
+    add_model_args(p)
+    p.add_argument("--fd", type=int, required=True, help="the inherited socket to the server")
+    p.add_argument("--checkpoint-interval", type=int, default=512)
+    a = p.parse_args(argv)
+    sock = socket.socket(fileno=a.fd)
+    try:
+        engine = load_engine(a)
+    except (ValueError, OSError) as e:
+        try:
+            send(sock, {"op": "error", "kind": "inference", "message": " ".join(str(e).split())})
+        except OSError:
+            pass
+        return 2
+    serve(sock, engine)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,10 +12,9 @@ replica's pool holds), evicted leaf-first like the engine's cache; it is a model
 engine: a replica that evicted earlier than modelled costs a cold prefill, never a wrong result.
 
 Policy (``Router.route``): among the replicas whose work after taking the request stays within
-``balance`` x the mean, both the work routed so far and the outstanding work (the latter plus
-``slack_tokens``, so that an idle system still follows prefixes),
-take the one with the longest reusable prefix; when none of those has any, the one with the least
-outstanding work. The second bound moves a session off a replica that its sticky sessions would
+``balance`` x the mean plus ``slack_tokens``, both the work routed so far and the outstanding work
+(the slack lets a young or idle system follow prefixes), take the one with the longest reusable prefix; when none of those has any, the one with the least
+outstanding work. The bound on routed work moves a session off a replica that its sticky sessions would
 otherwise overload (one cold prefill, then it sticks to its new replica). ``policy="round_robin"`` and
 ``"least_loaded"`` are the baselines ``tools/bench_router.py`` compares against. Work is counted in
 tokens: the prefill a request still needs on that replica plus its decode budget; ``done`` takes it
@@ -162,7 +161,7 @@ class Router:
             load = sum(self.load[j] for j in up)
             n = len(up)
             allowed = [j for j in up
-                       if cum[j] + work[j] <= self.balance * (total + work[j]) / n
+                       if cum[j] + work[j] <= self.balance * (total + work[j]) / n + self.slack
                        and self.load[j] + work[j] <= self.balance * (load + work[j]) / n + self.slack]
             pool = allowed or up
             k = max(pool, key=lambda j: (reuse[j], -self.load[j] - work[j], -cum[j], -j))

@@ -20,7 +20,7 @@ LAYOUTS = {  # world, trainer layout, engine layout
     "pp2-1f1b": (2, {"pp": 2}, {"tp": 1, "replicas": 2}),
     "cp2": (2, {"cp": 2}, {"tp": 2, "replicas": 1}),
     "tp2sp-pp2": (4, {"tp": 2, "sp": True, "pp": 2}, {"tp": 1, "replicas": 2}),
-    "ep2-tp2": (4, {"tp": 2, "ep": 2}, {"tp": 2, "ep": 1, "replicas": 1}),
+    "ep2-tp2": (4, {"tp": 2, "sp": True, "ep": 2}, {"tp": 2, "ep": 1, "replicas": 1}),
 }
 
 
@@ -131,12 +131,14 @@ def test_rl_trainer_layouts_match_one_process_and_refit_reshards(name, private_t
 
 @pytest.mark.parametrize("field,value,msg", [("tp", 3, "rl.rollout.tp=3 must divide"),
                                              ("replicas", 5, "rl.rollout.replicas=5 x 1 ranks each exceeds"),
-                                             ("ep", -1, "rl.rollout.ep=-1 must be >= 0")])
+                                             ("ep", -1, "rl.rollout.ep=-1 must be >= 0"),
+                                             ("ep", 2, "rl.rollout.ep=2 with rl.rollout.tp=2")])
 def test_rollout_layout_errors_are_one_line(field, value, msg):
     import dataclasses
 
     from megak3.posttrain.engines import RolloutConfig
 
     with pytest.raises(ValueError) as e:
-        dataclasses.replace(RolloutConfig(), **{field: value}).resolve(_layout_job(2).parallel, 4, _job(1).model)
+        cfg = dataclasses.replace(RolloutConfig(tp=2 if (field, value) == ("ep", 2) else 0), **{field: value})
+        cfg.resolve(_layout_job(2).parallel, 4, _job(1).model)
     assert str(e.value).startswith(msg) and "\n" not in str(e.value), str(e.value)

@@ -41,7 +41,7 @@ class RolloutConfig:
     tp: int = 0
     """tensor-parallel ranks of one engine replica (0: the trainer's parallel.tp)"""
     ep: int = 0
-    """expert-parallel ranks of one engine replica (0: the trainer's parallel.ep)"""
+    """expert-parallel ranks of one engine replica (0: the trainer's parallel.ep, or 1 when the replica has tp > 1)"""
     replicas: int = 0
     """engine replicas, each on its own lcm(tp, ep) of the trainer's ranks (0: as many as the ranks hold)"""
     release: bool = True
@@ -56,7 +56,12 @@ class RolloutConfig:
     def resolve(self, par, world: int, model_cfg=None) -> "RolloutConfig":
         """The layout in use on ``world`` trainer ranks (defaults filled in); raises ValueError naming the field."""
         self.validate()
-        tp, ep = self.tp or par.tp, self.ep or par.ep
+        tp = self.tp or par.tp
+        ep = self.ep or (par.ep if tp == 1 else 1)
+        if ep > 1 and tp > 1:
+            raise ValueError(f"rl.rollout.ep={ep} with rl.rollout.tp={tp}: an engine decodes without sequence "
+                             "parallelism, which expert parallelism under tp needs; set rl.rollout.tp=1 or "
+                             "rl.rollout.ep=1")
         size = tp * ep // math.gcd(tp, ep)
         if size > world:
             raise ValueError(f"rl.rollout.tp={tp} x rl.rollout.ep={ep} needs {size} ranks per replica but the "

@@ -142,3 +142,50 @@ def test_rollout_layout_errors_are_one_line(field, value, msg):
         cfg = dataclasses.replace(RolloutConfig(tp=2 if (field, value) == ("ep", 2) else 0), **{field: value})
         cfg.resolve(_layout_job(2).parallel, 4, _job(1).model)
     assert str(e.value).startswith(msg) and "\n" not in str(e.value), str(e.value)
+
+
+def _loop(rank, world, trainer, engine, tok_path):
+    from megak3.data.tokenizer import load_tokenizer
+    from megak3.posttrain.engines import RolloutConfig
+    from megak3.posttrain.rl import RLConfig, RLRunner
+    from parallel.state import ParallelState, init_parallel
+
+    torch.set_num_threads(1)
+    job = _layout_job(world, **trainer)
+    ps = init_parallel(job.parallel, model_cfg=job.model) if world > 1 else ParallelState.single()
+    rl = RLConfig(iterations=3, prompts=2, group_size=2, max_tokens=4, micro_batch_size=2,
+                  rollout=RolloutConfig(**engine))
+    runner = RLRunner(job, rl, load_tokenizer(tok_path), ps=ps,
+                      engine_options={"page_size": 8, "num_pages": 64, "prefill_chunk": 8})
+    seen, update = [], runner.update
+
+    def recorded(samples, adv):
+        seen.append([(s.uid, list(s.token_ids)) for s in samples])
+        return update(samples, adv)
+
+    runner.update = recorded
+    hist = runner.fit(log=None)
+    return {"samples": seen, "steps": [(h["loss"], h["grad_norm"], h["lp_gap"]) for h in hist],
+            "refit_bytes": [h["refit_bytes"] for h in hist], "shard": runner.last_refit["shard_bytes"]}
+
+
+@pytest.fixture(scope="module")
+def tok_path(tmp_path_factory):
+    from megak3.data.demo_sft import build_demo_sft_dataset
+
+    _, path = build_demo_sft_dataset(tmp_path_factory.mktemp("sft"), vocab_size=512, num_conversations=200,
+                                     progress=False)
+    return str(path)
+
+
+@pytest.mark.parametrize("name", ["pp2-1f1b", "cp2"])
+def test_rl_loop_at_trainer_layouts_samples_what_one_process_samples(name, tok_path):
+    world, trainer, engine = LAYOUTS[name]
+    ref = _loop(0, 1, {}, {}, tok_path)
+    assert all(gap <= 1e-5 for _, _, gap in ref["steps"]), ref["steps"]
+    for r in run_distributed(_loop, world, trainer, engine, tok_path, timeout_s=600):
+        assert r["samples"] == ref["samples"]  # same uids, same tokens, every update
+        for (l1, g1, _), (l2, g2, gap) in zip(ref["steps"], r["steps"]):
+            assert abs(l1 - l2) <= 1e-4 and abs(g1 - g2) <= 1e-4, (name, ref["steps"], r["steps"])
+            assert gap <= 1e-5, (name, r["steps"])  # engine logprobs vs the trainer's forward, after each refit
+        assert all(b == r["shard"] for b in r["refit_bytes"])

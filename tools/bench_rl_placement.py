@@ -53,7 +53,6 @@ def _run(rank, world, tok_path, iterations):
     runner = RLRunner(job, rl, load_tokenizer(tok_path), ps=ps,
                       engine_options={"page_size": 8, "num_pages": 128, "prefill_chunk": 16})
     model, opt = runner.model, runner.rs.optimizer
-    state = [v for o in opt.optimizers for st in o.state.values() for v in st.values() if torch.is_tensor(v)]
     eng = runner.engine
     eng_w = _bytes(list(eng.model.parameters()) + list(eng.model.buffers()))
     cache = _bytes([eng.runner.pool, getattr(eng.runner, "host", None)])  # the paged MLA pool
@@ -61,6 +60,8 @@ def _run(rank, world, tok_path, iterations):
     hist = runner.fit(log=None)
     wall = time.perf_counter() - t0
     params = _bytes(model.parameters())
+    # optimizer state after the first step (ZeRO-1: this rank's shard of it)
+    state = [v for o in opt.optimizers for st in o.state.values() for v in st.values() if torch.is_tensor(v)]
     state_b = _bytes(state) + params  # gradients are freed (set_to_none) between steps: counted at the peak
     gen = sum(h["gen_s"] for h in hist) / len(hist)
     train = sum(h["train_s"] + h["refit_s"] for h in hist) / len(hist)

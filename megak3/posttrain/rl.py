@@ -32,27 +32,26 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import torch
-import torch.distributed as dist
 
 from parallel.plan import canonical_name
 from parallel.state import ParallelState
 
 from ..data.chat import generation_prompt
-from ..data.packing import IGNORE_INDEX
 from ..inference import Engine, SamplingParams
 from ..model.k3 import build_model
 from ..quant import apply_quantization
 from ..job.config import JobConfig
-from ..train.step import RankStep, all_reduce_sum
+from ..train.step import RankStep
 from .buffer import Rollout, RolloutBuffer
 from .engines import ReplicaRollouts, RolloutConfig, release_weights, replica_groups, restore_weights
-from .objective import LossConfig, group_advantages, policy_loss, staleness_weights, token_logprobs
-from .rewards import effort_override, exact_answer, mopd_rewards
+from .objective import LossConfig, group_advantages, token_logprobs
+from .rewards import effort_override, exact_answer
 from .refit import ReshardPlan
 from .rollout import PartialRollouts
+from .update import policy_update, response_batch  # noqa: F401  (response_batch: part of this module's API)
 
 
 @dataclass
@@ -190,38 +189,6 @@ def copy_weights(src: torch.nn.Module, dst: torch.nn.Module, plan=None) -> int:
         raise ValueError(f"refit: the {'engine' if plan is None else 'trainer'}'s model has tensors the source "
                          f"lacks, e.g. {sorted(want)[:3]}")
     return n
-
-
-def response_batch(samples: List[Rollout], pad_id: int, multiple: int = 1, rows: int = 0,
-                   length: int = 0) -> Dict[str, torch.Tensor]:
-    """Rows ``prompt + response`` shifted for next-token scoring: ``input_ids``/``targets`` [B, T],
-    ``mask`` (1 at positions whose target is a response token), ``behaviour`` logprobs there, and
-    ``cu_seqlens`` (one segment per row, padding its own segment), ``real`` (True at the input positions
-    that are tokens of a sample, not padding). B is at least ``rows`` (extra rows:
-    padding, mask 0) and T at least ``length``, rounded up to a multiple of ``multiple`` (the
-    sequence-parallel shard count)."""
-    T = max([length] + [len(s.prompt_ids) + len(s.token_ids) - 1 for s in samples])
-    T = -(-T // multiple) * multiple
-    B = max(len(samples), rows)
-    ids = torch.full((B, T), pad_id, dtype=torch.long)
-    tgt = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros(B, T)
-    beh = torch.zeros(B, T)
-    real = torch.zeros(B, T, dtype=torch.bool)
-    cu = [0]
-    for b, s in enumerate(samples):
-        full = list(s.prompt_ids) + list(s.token_ids)
-        L, P = len(full) - 1, len(s.prompt_ids)
-        ids[b, :L] = torch.tensor(full[:-1])
-        tgt[b, :L] = torch.tensor(full[1:])
-        mask[b, P - 1:L] = torch.tensor(s.mask, dtype=torch.float32) if s.mask else 1  # model tokens only
-        real[b, :L] = True
-        beh[b, P - 1:L] = torch.tensor(s.logprobs, dtype=torch.float32)
-        cu += [b * T + L] if L < T else []
-        cu.append((b + 1) * T)
-    cu += [(b + 1) * T for b in range(len(samples), B)]
-    return {"input_ids": ids, "targets": tgt, "mask": mask, "behaviour": beh, "real": real,
-            "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
 
 
 def prompt_stream(tokenizer, task: str, seed: int) -> Iterator[tuple]:
@@ -409,8 +376,6 @@ class RLRunner:
         """One optimizer step on ``samples`` (every rank passes the same list; each trains its slice) at the
         trainer's layout (megak3/posttrain/update.py). Frees the engine's weights first (rl.rollout.release):
         :meth:`refit` re-creates them."""
-        from .update import policy_update
-
         self.release_engine()
         return policy_update(self, samples, adv_N)
 

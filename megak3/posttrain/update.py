@@ -20,17 +20,50 @@ policy version (0 when none): the engine-vs-trainer agreement right after a refi
 """
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 
 from parallel.parallelize import sync_partial_grads
 
+from ..data.packing import IGNORE_INDEX
 from ..train.step import all_reduce_sum
 from .buffer import Rollout
 from .objective import policy_loss, staleness_weights
 from .rewards import mopd_rewards
+
+
+def response_batch(samples: List[Rollout], pad_id: int, multiple: int = 1, rows: int = 0,
+                   length: int = 0) -> Dict[str, torch.Tensor]:
+    """Rows ``prompt + response`` shifted for next-token scoring: ``input_ids``/``targets`` [B, T],
+    ``mask`` (1 at positions whose target is a response token), ``behaviour`` logprobs there, and
+    ``cu_seqlens`` (one segment per row, padding its own segment), ``real`` (True at the input positions
+    that are tokens of a sample, not padding). B is at least ``rows`` (extra rows:
+    padding, mask 0) and T at least ``length``, rounded up to a multiple of ``multiple`` (the
+    sequence-parallel shard count)."""
+    T = max([length] + [len(s.prompt_ids) + len(s.token_ids) - 1 for s in samples])
+    T = -(-T // multiple) * multiple
+    B = max(len(samples), rows)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    tgt = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros(B, T)
+    beh = torch.zeros(B, T)
+    real = torch.zeros(B, T, dtype=torch.bool)
+    cu = [0]
+    for b, s in enumerate(samples):
+        full = list(s.prompt_ids) + list(s.token_ids)
+        L, P = len(full) - 1, len(s.prompt_ids)
+        ids[b, :L] = torch.tensor(full[:-1])
+        tgt[b, :L] = torch.tensor(full[1:])
+        mask[b, P - 1:L] = torch.tensor(s.mask, dtype=torch.float32) if s.mask else 1  # model tokens only
+        real[b, :L] = True
+        beh[b, P - 1:L] = torch.tensor(s.logprobs, dtype=torch.float32)
+        cu += [b * T + L] if L < T else []
+        cu.append((b + 1) * T)
+    cu += [(b + 1) * T for b in range(len(samples), B)]
+    return {"input_ids": ids, "targets": tgt, "mask": mask, "behaviour": beh, "real": real,
+            "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
 
 
 def _segment(runner, t_BT: torch.Tensor) -> torch.Tensor:
@@ -87,8 +120,6 @@ def _run(runner, model, pipe, mbs, head, train: bool) -> list:
 
 def policy_update(runner, samples: List[Rollout], adv_N: torch.Tensor) -> dict:
     """One optimizer step on ``samples`` (module docstring); every rank passes the same list."""
-    from .rl import response_batch
-
     rl, ps, rs, model = runner.rl, runner.ps, runner.rs, runner.model
     M = rl.micro_batch_size
     cuts = [len(samples) * r // ps.dp_size for r in range(ps.dp_size + 1)]

@@ -24,11 +24,11 @@ LAYOUTS = {  # world, trainer layout, engine layout
 }
 
 
-def _layout_job(world, tp=1, ep=1, sp=False, pp=1, cp=1):
+def _layout_job(world, tp=1, ep=1, sp=False, pp=1, cp=1, **more):
     import dataclasses
 
     job = _job(1)
-    par = dataclasses.replace(job.parallel, tp=tp, ep=ep, sequence_parallel=sp, pp=pp, cp=cp, dp=0)
+    par = dataclasses.replace(job.parallel, tp=tp, ep=ep, sequence_parallel=sp, pp=pp, cp=cp, dp=0, **more)
     train = dataclasses.replace(job.train, global_batch_size=world)
     return dataclasses.replace(job, parallel=par, train=train).validate(world)
 

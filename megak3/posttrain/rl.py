@@ -211,7 +211,9 @@ class RLRunner:
         self.job, self.rl, self.tokenizer = job, rl.validate(), tokenizer
         self.ps = ps = ps or ParallelState.single()
         self.rollout = check_layout(ps, job, rl)
-        self.rs = RankStep(job, ps, device, grad_accum=1)
+        # micro-batches per update vary (update.py pads them to a multiple of pp under interleaved_1f1b);
+        # pp of them is a count every schedule accepts, and each step's own is checked when it runs
+        self.rs = RankStep(job, ps, device, grad_accum=ps.pp_size)
         self.model = self.rs.model
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[rl.engine_dtype]
         # the engines sample from the same (fake-)quantised model, at their own layout (engines.py)

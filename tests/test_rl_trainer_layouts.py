@@ -24,10 +24,12 @@ LAYOUTS = {  # world, trainer layout, engine layout
 }
 
 
-def _layout_job(world, tp=1, ep=1, sp=False, pp=1, cp=1, **more):
+def _layout_job(world, tp=1, ep=1, sp=False, pp=1, cp=1, qat="none", **more):
     import dataclasses
 
-    job = _job(1)
+    from megak3.quant.config import QuantConfig
+
+    job = dataclasses.replace(_job(1), quant=QuantConfig(qat=qat))
     par = dataclasses.replace(job.parallel, tp=tp, ep=ep, sequence_parallel=sp, pp=pp, cp=cp, dp=0, **more)
     train = dataclasses.replace(job.train, global_batch_size=world)
     return dataclasses.replace(job, parallel=par, train=train).validate(world)
@@ -86,6 +88,8 @@ def _updates(rank, world, trainer, engine, run_dir):
         out["refits"].append(dict(runner.last_refit))
         out["gen"].append(_engine_logprobs(runner, runner.model if world == 1 else None))
     out["pp_engine"] = runner.rs.engine is not None
+    out["engine_qat"] = runner.engine is not None and any(
+        getattr(m, "weight_quant", None) is not None for m in runner.engine.model.modules())
     return out
 
 
@@ -212,3 +216,19 @@ def test_rl_every_pipeline_schedule_matches_one_process(private_tmp):
         for (s, _), steps in zip(SCHEDULES, rank):
             for (l1, g1), (l2, g2) in zip(ref, steps):
                 assert abs(l1 - l2) <= 1e-4 and abs(g1 - g2) <= 1e-4, (s, ref, steps)
+
+
+def test_rl_qat_refit_gives_the_engine_the_mxfp4_weights_the_trainer_runs(private_tmp):
+    """quant.qat=mxfp4_experts, trainer ep2 -> two tp1 engine replicas: the engines fake-quantise the experts
+    they receive as the trainer does; greedy tokens and logprobs equal the one-process QAT trainer's forward."""
+    ref = _updates(0, 1, {"qat": "mxfp4_experts"}, {}, str(private_tmp / "run"))
+    assert ref["engine_qat"]
+    for r in run_distributed(_updates, 2, {"ep": 2, "qat": "mxfp4_experts"}, {"tp": 1, "ep": 1, "replicas": 2},
+                             str(private_tmp / "run"), timeout_s=600):
+        assert r["engine_qat"]
+        for (l1, g1), (l2, g2) in zip(ref["steps"], r["steps"]):
+            assert abs(l1 - l2) <= 1e-4 and abs(g1 - g2) <= 1e-4, (ref["steps"], r["steps"])
+        for ref_gen, got, refit in zip(ref["gen"], r["gen"], r["refits"]):
+            assert refit["bytes_in"] == refit["shard_bytes"] > 0
+            for (t1, _, fwd), (t2, lp2) in zip(ref_gen, got):
+                assert t1 == t2 and max(abs(a - b) for a, b in zip(fwd, lp2)) <= 1e-5, (fwd, lp2)

@@ -5,7 +5,8 @@ One iteration (:meth:`RLRunner.iteration`):
 
 1. New prompts join the buffer as groups of K samples (each with response budget ``rl.max_tokens``) until it
    holds N groups: groups carried over from the last iteration (some sample unfinished) count towards N.
-2. Generation (:class:`~megak3.posttrain.rollout.PartialRollouts`): paused samples first, then the new
+2. Generation (:class:`~megak3.posttrain.rollout.PartialRollouts` on each engine replica, GRPO group g on
+   replica g mod ``rl.rollout.replicas``, :class:`~megak3.posttrain.engines.ReplicaRollouts`): paused samples first, then the new
    ones, until ``ceil(lambda * N * K)`` samples of the buffer are finished and at least one group has all K
    finished; the rest pause with their caches and continue next iteration under the new weights
    (``rl.partial_fraction = 1``: synchronous).
@@ -153,22 +154,10 @@ def policy_copy(job: JobConfig, ps: ParallelState, device, dtype, parallel=None)
     return m.to(dtype=dtype).eval(), plan
 
 
-def engine_model(job: JobConfig, ps: ParallelState, device, dtype) -> torch.nn.Module:
-    """The policy at the trainer's tp / ep without sequence parallelism (decoding cannot split a token)."""
-    return policy_copy(job, ps, device, dtype, engine_parallel(job))[0]
-
-
-def engine_parallel(job: JobConfig):
-    """The trainer's ``parallel.*`` with sequence parallelism off."""
-    import dataclasses
-
-    return dataclasses.replace(job.parallel, sequence_parallel=False)
-
-
 @torch.no_grad()
 def copy_weights(src: torch.nn.Module, dst: torch.nn.Module, plan=None) -> int:
     """Copy every tensor of ``src``'s state into ``dst`` by canonical name (in memory, casting dtypes).
-    Without ``plan`` both hold the same boxes (a refit: this rank's shards into this rank's shards). With
+    Without ``plan`` both hold the same boxes (this rank's shards into this rank's shards). With
     ``dst``'s :class:`parallel.plan.ParallelPlan`, ``src`` holds whole tensors (a one-process model) and
     each of ``dst``'s tp / ep shards takes its box of them. Returns the number of tensors copied."""
     want = {canonical_name(k): v for k, v in dst.state_dict().items()}

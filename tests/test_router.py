@@ -48,3 +48,23 @@ def test_agent_trace_bench_meets_its_targets(capsys):
     assert res["affine"].prefill_tokens <= 0.5 * res["round_robin"].prefill_tokens
     assert res["affine"].balance() <= 1.25
     assert res["least_loaded"].prefill_tokens > 0.9 * res["round_robin"].prefill_tokens  # no affinity, no gain
+
+
+def test_rl_replicas_place_groups_once_and_by_prefix():
+    from megak3.posttrain.buffer import RolloutBuffer
+    from megak3.posttrain.engines import ReplicaRollouts
+
+    buf = RolloutBuffer(2)
+    long_ctx = list(range(100, 164))  # one checkpointed block of 64
+    for p in ([1] * 64, [2] * 64, [3] * 64, [4] * 64, long_ctx + [7], long_ctx + [8]):
+        buf.add_prompt(p, 4)
+    rr = ReplicaRollouts(None, 0, 4, leader=True, sync=True, checkpoint_interval=64, max_load_ratio=4.0)
+    rr.place(buf.unfinished())
+    placed = dict(rr.placed)
+    assert sorted(placed[g] for g in range(4)) == [0, 1, 2, 3]  # four fresh prompts spread over four replicas
+    assert placed[5] == placed[4]  # the group sharing group 4's checkpointed prefix follows it
+    rr.place(buf.unfinished())  # already placed: nothing moves
+    assert rr.placed == placed
+    guarded = ReplicaRollouts(None, 0, 4, leader=True, sync=True, checkpoint_interval=64)  # max/mean 1.25
+    guarded.place(buf.unfinished())
+    assert guarded.placed[5] != guarded.placed[4]  # that replica already holds 2x the mean: the guard diverts

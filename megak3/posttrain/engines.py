@@ -17,8 +17,10 @@ parallel speed-up there), so the memory is the reason, not the time.
 
 :func:`replica_groups` creates every replica's process groups (collective over the world: every rank
 creates every group, in one order) and returns this rank's engine :class:`~parallel.state.ParallelState`.
-:class:`ReplicaRollouts` sends each GRPO group to one replica (``group % replicas``: a group's K samples
-share their prompt's cached prefix in that replica), runs the replica's
+:class:`ReplicaRollouts` sends each GRPO group to one replica, chosen by the cache-affine
+:class:`megak3.inference.router.Router` (the replica holding the longest checkpointed prefix of the group's
+context, guarded by load; every rank routes alike: the router is pure and sees the same rollouts) and kept
+for the group's life (a paused sample's cache lives in its replica), runs the replica's
 :class:`~megak3.posttrain.rollout.PartialRollouts`, then gives every rank the new tokens of every sample
 (one ``all_gather_object`` over the world), so every rank's buffer stays identical.
 """
@@ -137,16 +139,34 @@ class ReplicaRollouts:
     """:class:`PartialRollouts` of this rank's replica (``sampler``; None on a rank without one), with the
     samples' new tokens shared by every rank after each :meth:`run` (module docstring)."""
 
-    def __init__(self, sampler, replica: Optional[int], replicas: int, leader: bool, sync: bool):
+    def __init__(self, sampler, replica: Optional[int], replicas: int, leader: bool, sync: bool,
+                 checkpoint_interval: int = 512, max_load_ratio: float = 1.25):
+        from megak3.inference.router import Router
+
         self.sampler, self.replica, self.replicas, self.leader, self.sync = sampler, replica, replicas, leader, sync
+        self.router = Router(replicas, checkpoint_interval, max_load_ratio)
+        self.placed: dict = {}
+        """GRPO group -> its replica (kept: a paused sample or an episode's next turn returns to its cache)"""
         self.on_finish = None
         """called with each rollout the moment every rank knows it finished (the resumable run's journal)"""
 
+    def place(self, rollouts: List[Rollout]) -> None:
+        """Route every group not placed yet (in buffer order, the same on every rank)."""
+        groups: dict = {}
+        for r in rollouts:
+            groups.setdefault(r.group, []).append(r)
+        for g, rs in groups.items():
+            if g not in self.placed:
+                ctx = list(rs[0].prompt_ids) + list(rs[0].token_ids)
+                self.placed[g] = self.router.route(ctx, max(r.remaining for r in rs), copies=len(rs))
+
     def mine(self, rollouts: List[Rollout]) -> List[Rollout]:
-        return [r for r in rollouts if r.group % self.replicas == self.replica]
+        self.place(rollouts)
+        return [r for r in rollouts if self.placed[r.group] == self.replica]
 
     def run(self, rollouts: List[Rollout], version: int, stop_after: Optional[int] = None) -> int:
         todo = [r for r in rollouts if not r.finished]
+        self.place(todo)
         mine = self.mine(todo) if self.replica is not None else []
         share = None
         if stop_after is not None and mine:  # each replica's share of the samples to finish, rounded up

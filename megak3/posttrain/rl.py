@@ -5,8 +5,8 @@ One iteration (:meth:`RLRunner.iteration`):
 
 1. New prompts join the buffer as groups of K samples (each with response budget ``rl.max_tokens``) until it
    holds N groups: groups carried over from the last iteration (some sample unfinished) count towards N.
-2. Generation (:class:`~megak3.posttrain.rollout.PartialRollouts` on each engine replica, GRPO group g on
-   replica g mod ``rl.rollout.replicas``, :class:`~megak3.posttrain.engines.ReplicaRollouts`): paused samples first, then the new
+2. Generation (:class:`~megak3.posttrain.rollout.PartialRollouts` on each engine replica, each GRPO group on
+   the replica the cache-affine router picks, :class:`~megak3.posttrain.engines.ReplicaRollouts`): paused samples first, then the new
    ones, until ``ceil(lambda * N * K)`` samples of the buffer are finished and at least one group has all K
    finished; the rest pause with their caches and continue next iteration under the new weights
    (``rl.partial_fraction = 1``: synchronous).
@@ -241,7 +241,8 @@ class RLRunner:
         E = self.rollout.size
         self.sampler = ReplicaRollouts(inner, self.replica, self.rollout.replicas,
                                        leader=self.engine_ps is not None and self.engine_ps.rank == 0,
-                                       sync=not (self.rollout.replicas == 1 and E == ps.world_size))
+                                       sync=not (self.rollout.replicas == 1 and E == ps.world_size),
+                                       checkpoint_interval=(engine_options or {}).get("checkpoint_interval", 512))
         self.prompts = prompt_stream(tokenizer, rl.task, rl.seed)
         self.prompts_used = 0
         self.state = None

@@ -19,6 +19,7 @@ the master weights gives the engine the MXFP4 weights the trainer's forward runs
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -106,8 +107,9 @@ class ReshardPlan:
     replica: this rank's engine replica (None without one).
     """
 
-    def __init__(self, trainer, trainer_plan, engine, engine_plan, replica: Optional[int]):
+    def __init__(self, trainer, trainer_plan, engine, engine_plan, replica: Optional[int], timeout_s: float = 300.0):
         self.trainer, self.engine = trainer, engine
+        self.timeout = timedelta(seconds=float(timeout_s))
         mine = (boxes_of(trainer, trainer_plan), boxes_of(engine, engine_plan) if engine is not None else None,
                 replica)
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -164,19 +166,27 @@ class ReshardPlan:
                     buf = pack(d, group)
                     bytes_out += buf.numel() * buf.element_size()
                     sends.append(buf)
-                    works.append(dist.isend(buf, d, tag=tag))
+                    works.append((dist.isend(buf, d, tag=tag), f"send to rank {d}"))
                 else:
                     buf = torch.empty(sum(_numel(b[1]) for _, b in group), dtype=dt)
                     recvs.append((buf, group))
-                    works.append(dist.irecv(buf, s, tag=tag))
+                    works.append((dist.irecv(buf, s, tag=tag), f"receive from rank {s}"))
         for (s, d), pieces in self.pairs.items():
             if s == me and d == me:
                 for n, box in pieces:
                     dst_t[n].detach()[_local(box, self.dst_boxes[n][1])].copy_(
                         src_t[n].detach()[_local(box, self.src_boxes[n][1])])
                     bytes_in += _numel(box[1]) * self.dst_dtype[n].itemsize
-        for w in works:
-            w.wait()
+        for w, what in works:
+            try:
+                ok = w.wait(self.timeout)
+            except Exception as e:  # noqa: BLE001 - backend-specific timeout/abort errors
+                raise RuntimeError(f"refit: rank {me}'s {what} did not complete within "
+                                   f"{self.timeout.total_seconds():.0f} s ({type(e).__name__}: {e}); that rank "
+                                   "failed or hangs (see its error)") from e
+            if ok is False:
+                raise RuntimeError(f"refit: rank {me}'s {what} did not complete within "
+                                   f"{self.timeout.total_seconds():.0f} s; that rank failed or hangs")
         for buf, pieces in recvs:
             unpack(buf, pieces)
             remote += buf.numel() * buf.element_size()

@@ -272,7 +272,7 @@ class RLRunner:
         t0 = time.perf_counter()
         if self._reshard is None:  # planned once from both layouts' boxes
             self._reshard = ReshardPlan(self.model, self.rs.plan, self.engine and self.engine.model,
-                                        self.engine_plan, self.replica)
+                                        self.engine_plan, self.replica, self.job.parallel.timeout_s)
         if self.engine is not None:
             restore_weights(self.engine.model)  # released during the update (rl.rollout.release)
         self.last_refit = self._reshard.run()

@@ -108,6 +108,8 @@ def test_rl_cli_bad_input_is_one_line_exit_2(tmp_path, capsys):
     assert main(["--init-from", str(tmp_path / "missing")]) == 2
     assert main(["--init-from", str(tmp_path), "rl.nope=1"]) == 2
     assert main(["--init-from", str(tmp_path), "lr=1"]) == 2
+    assert main(["--init-from", str(tmp_path), "rl.rollout.replicas=-1"]) == 2
     errs = [l for l in capsys.readouterr().err.splitlines() if l]
-    assert len(errs) == 3 and all(l.startswith("error: ") for l in errs)
+    assert len(errs) == 4 and all(l.startswith("error: ") for l in errs)
     assert "rl.nope: no such field" in errs[1] and "rl.FIELD=VALUE" in errs[2]
+    assert "rl.rollout.replicas=-1 must be >= 0" in errs[3]

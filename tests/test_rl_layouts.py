@@ -112,16 +112,3 @@ def test_rl_init_from_a_one_process_checkpoint_and_hf_export_at_tp2(tmp_path):
         for steps in rank:
             for (l1, g1), (l2, g2) in zip(ref, steps):
                 assert abs(l1 - l2) <= 1e-4 and abs(g1 - g2) <= 1e-4, (ref, steps)
-
-
-@pytest.mark.parametrize("sizes,field", [({"pp_size": 2}, "parallel.pp=2"), ({"cp_size": 2}, "parallel.cp=2"),
-                                         ({"ep_size": 2, "tp_size": 2}, "parallel.ep=2 with parallel.tp=2")])
-def test_rl_refuses_pp_cp_and_ep_with_tp_in_one_line(sizes, field):
-    import dataclasses
-
-    from megak3.posttrain.rl import check_layout
-    from parallel.state import ParallelState
-
-    with pytest.raises(ValueError) as e:
-        check_layout(dataclasses.replace(ParallelState.single(), **sizes), _job(1))
-    assert str(e.value).startswith(field) and "\n" not in str(e.value)

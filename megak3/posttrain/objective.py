@@ -84,11 +84,14 @@ def staleness_weights(logp_old_NT: torch.Tensor, logp_behaviour_NT: torch.Tensor
 
 def policy_loss(logp_NT: torch.Tensor, logp_old_NT: torch.Tensor, adv_N: torch.Tensor, mask_NT: torch.Tensor,
                 cfg: LossConfig, denom: float, weights_NT: Optional[torch.Tensor] = None,
-                logp_ref_NT: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+                logp_ref_NT: Optional[torch.Tensor] = None,
+                row_tokens_N: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """(loss to backpropagate, detached stats: ``clip_frac``, ``kl`` sums and ``tokens``) of one micro-batch.
     ``adv_N``: one advantage per sequence [N], or per token [N, T] (MOPD's per-token rewards).
 
-    ``denom``: tokens (aggregation='token') or sequences ('sequence') of the whole step."""
+    ``denom``: tokens (aggregation='token') or sequences ('sequence') of the whole step.
+    ``row_tokens_N``: each sequence's masked tokens over its whole row when ``mask_NT`` holds only a
+    segment of it (context parallelism; None: ``mask_NT.sum(1)``)."""
     m = mask_NT.to(logp_NT.dtype)
     ratio = torch.exp(logp_NT - logp_old_NT)
     A = adv_N.to(logp_NT.dtype)
@@ -104,7 +107,8 @@ def policy_loss(logp_NT: torch.Tensor, logp_old_NT: torch.Tensor, adv_N: torch.T
     if cfg.aggregation == "token":
         loss = (per_tok * m).sum() / denom
     else:
-        loss = ((per_tok * m).sum(1) / m.sum(1).clamp_min(1)).sum() / denom
+        n_N = m.sum(1) if row_tokens_N is None else row_tokens_N.to(m.dtype)
+        loss = ((per_tok * m).sum(1) / n_N.clamp_min(1)).sum() / denom
     with torch.no_grad():
         was_clipped = ((ratio * A) > (clipped * A)) & mask_NT.bool()  # min picked the clipped term
         stats = {"clip_frac_sum": was_clipped.sum().double(), "kl_sum": (kl * m).sum().double(),

@@ -5,7 +5,8 @@ One iteration (:meth:`RLRunner.iteration`):
 
 1. New prompts join the buffer as groups of K samples (each with response budget ``rl.max_tokens``) until it
    holds N groups: groups carried over from the last iteration (some sample unfinished) count towards N.
-2. Generation (:class:`~megak3.posttrain.rollout.PartialRollouts`): paused samples first, then the new
+2. Generation (:class:`~megak3.posttrain.rollout.PartialRollouts` on each engine replica, each GRPO group on
+   the replica the cache-affine router picks, :class:`~megak3.posttrain.engines.ReplicaRollouts`): paused samples first, then the new
    ones, until ``ceil(lambda * N * K)`` samples of the buffer are finished and at least one group has all K
    finished; the rest pause with their caches and continue next iteration under the new weights
    (``rl.partial_fraction = 1``: synchronous).
@@ -18,15 +19,13 @@ One iteration (:meth:`RLRunner.iteration`):
    global-norm clip, Muon/AdamW, QB bias update).
 5. The policy version goes up by one and the engine's model is refit from the trainer's in memory.
 
-Layouts: one process, data parallelism (each rank trains its contiguous slice of the update's samples; the
-loss is normalised by the count over the data-parallel group, so gradients match one process), tensor
-parallelism with or without sequence parallelism (the engine's model has the trainer's plan without sequence
-parallelism, which decoding cannot use; the weight shards are the same, so the refit copies each rank's own
-shards; token logprobs come from the vocabulary-parallel cross entropy; under sequence parallelism the rows are
-padded to a multiple of tp) and expert parallelism without tp (every rank runs the same number of micro-batches
-of the same shape, the largest over the data-parallel ranks, padded with masked rows, as MoonEP's dispatch needs).
-Quantile-Balancing statistics count the samples' tokens, never padding. Pipeline and context parallelism, and
-ep > 1 with tp > 1, raise an error naming the ``parallel.*`` field.
+Layouts: the trainer runs at any layout pretraining supports (megak3/posttrain/update.py): data, tensor
+with or without sequence parallelism, pipeline with every schedule (the policy loss is the last stage's head,
+every micro-batch padded to one fixed [rl.micro_batch_size, longest sample] shape), context parallelism (each
+CP rank scores its segment of every row) and expert parallelism with or without tp. The rollout engines have
+their own layout and count (``rl.rollout.*``, megak3/posttrain/engines.py: tp x ep replicas colocated on the
+trainer's ranks); the refit reshards the trainer's boxes into every engine rank's boxes in memory
+(megak3/posttrain/refit.py) and records ``refit_s`` and ``refit_bytes`` (bytes received by this rank's engine).
 """
 from __future__ import annotations
 
@@ -34,26 +33,26 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import torch
-import torch.distributed as dist
 
-from parallel.parallelize import sync_partial_grads
 from parallel.plan import canonical_name
 from parallel.state import ParallelState
 
 from ..data.chat import generation_prompt
-from ..data.packing import IGNORE_INDEX
 from ..inference import Engine, SamplingParams
 from ..model.k3 import build_model
 from ..quant import apply_quantization
 from ..job.config import JobConfig
-from ..train.step import RankStep, all_reduce_sum
+from ..train.step import RankStep
 from .buffer import Rollout, RolloutBuffer
-from .objective import LossConfig, group_advantages, policy_loss, staleness_weights, token_logprobs
-from .rewards import effort_override, exact_answer, mopd_rewards
+from .engines import ReplicaRollouts, RolloutConfig, release_weights, replica_groups, restore_weights
+from .objective import LossConfig, group_advantages, token_logprobs
+from .rewards import effort_override, exact_answer
+from .refit import ReshardPlan
 from .rollout import PartialRollouts
+from .update import policy_update, response_batch  # noqa: F401  (response_batch: part of this module's API)
 
 
 @dataclass
@@ -107,6 +106,7 @@ class RLConfig:
     env_workers: int = 2
     """with rl.env: environment worker processes (megak3.envs.EnvPool)"""
     loss: LossConfig = field(default_factory=LossConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
     def validate(self) -> "RLConfig":
         def need(ok, f, rule):
@@ -131,45 +131,34 @@ class RLConfig:
         for f in ("episode_tokens", "obs_tokens", "env_workers"):
             need(getattr(self, f) >= 1, f, "must be >= 1")
         self.loss.validate()
+        self.rollout.validate()
         return self
 
 
-def check_layout(ps: ParallelState, job: JobConfig) -> None:
-    for name, size in (("pp", ps.pp_size), ("cp", ps.cp_size)):
-        if size > 1:
-            raise ValueError(f"parallel.{name}={size}: the RL loop runs one process, data, tensor (with or without "
-                             f"sequence parallelism) and expert parallelism; set parallel.{name}=1")
-    if ps.ep_size > 1 and ps.tp_size > 1:
-        raise ValueError(f"parallel.ep={ps.ep_size} with parallel.tp={ps.tp_size}: the RL loop's engine generates "
-                         "without sequence parallelism, which expert parallelism under tp needs; set parallel.tp=1 "
-                         "or parallel.ep=1")
+def check_layout(ps: ParallelState, job: JobConfig, rl: Optional["RLConfig"] = None) -> RolloutConfig:
+    """The rollout engines' resolved layout on the trainer's ranks (``rl.rollout.*``; raises ValueError
+    naming the field). The trainer itself runs every layout of ``parallel.*``."""
+    return (rl.rollout if rl is not None else RolloutConfig()).resolve(job.parallel, ps.world_size, job.model)
 
 
-def engine_parallel(job: JobConfig):
-    """The trainer's ``parallel.*`` with sequence parallelism off: the engine decodes one token per
-    sequence, which cannot be split over the TP ranks; the weights' shards are the same either way."""
-    import dataclasses
-
-    return dataclasses.replace(job.parallel, sequence_parallel=False)
-
-
-def engine_model(job: JobConfig, ps: ParallelState, device, dtype) -> torch.nn.Module:
-    """The engine's copy of the policy, laid out like the trainer's (same parallelize plan without
-    sequence parallelism, so a refit is a local copy of this rank's shards), with the same quantisation."""
+def policy_copy(job: JobConfig, ps: ParallelState, device, dtype, parallel=None) -> tuple:
+    """(model, ParallelPlan): a copy of the policy at layout ``parallel`` (default: the trainer's) on the
+    process groups ``ps``, with the same quantisation, in ``dtype``, in eval mode; its weights are the
+    initialisation's until a refit or copy fills them."""
     from parallel.materialize import materialize
     from parallel.parallelize import parallelize
 
     m = build_model(job.model, device="meta")
-    plan = parallelize(m, ps, engine_parallel(job), job.moonep)
+    plan = parallelize(m, ps, parallel or job.parallel, job.moonep)
     materialize(m, plan, job.train.seed, job.model.init_std, device)
     apply_quantization(m, job.quant)
-    return m.to(dtype=dtype).eval()
+    return m.to(dtype=dtype).eval(), plan
 
 
 @torch.no_grad()
 def copy_weights(src: torch.nn.Module, dst: torch.nn.Module, plan=None) -> int:
     """Copy every tensor of ``src``'s state into ``dst`` by canonical name (in memory, casting dtypes).
-    Without ``plan`` both hold the same boxes (a refit: this rank's shards into this rank's shards). With
+    Without ``plan`` both hold the same boxes (this rank's shards into this rank's shards). With
     ``dst``'s :class:`parallel.plan.ParallelPlan`, ``src`` holds whole tensors (a one-process model) and
     each of ``dst``'s tp / ep shards takes its box of them. Returns the number of tensors copied."""
     want = {canonical_name(k): v for k, v in dst.state_dict().items()}
@@ -192,38 +181,6 @@ def copy_weights(src: torch.nn.Module, dst: torch.nn.Module, plan=None) -> int:
     return n
 
 
-def response_batch(samples: List[Rollout], pad_id: int, multiple: int = 1, rows: int = 0,
-                   length: int = 0) -> Dict[str, torch.Tensor]:
-    """Rows ``prompt + response`` shifted for next-token scoring: ``input_ids``/``targets`` [B, T],
-    ``mask`` (1 at positions whose target is a response token), ``behaviour`` logprobs there, and
-    ``cu_seqlens`` (one segment per row, padding its own segment), ``real`` (True at the input positions
-    that are tokens of a sample, not padding). B is at least ``rows`` (extra rows:
-    padding, mask 0) and T at least ``length``, rounded up to a multiple of ``multiple`` (the
-    sequence-parallel shard count)."""
-    T = max([length] + [len(s.prompt_ids) + len(s.token_ids) - 1 for s in samples])
-    T = -(-T // multiple) * multiple
-    B = max(len(samples), rows)
-    ids = torch.full((B, T), pad_id, dtype=torch.long)
-    tgt = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros(B, T)
-    beh = torch.zeros(B, T)
-    real = torch.zeros(B, T, dtype=torch.bool)
-    cu = [0]
-    for b, s in enumerate(samples):
-        full = list(s.prompt_ids) + list(s.token_ids)
-        L, P = len(full) - 1, len(s.prompt_ids)
-        ids[b, :L] = torch.tensor(full[:-1])
-        tgt[b, :L] = torch.tensor(full[1:])
-        mask[b, P - 1:L] = torch.tensor(s.mask, dtype=torch.float32) if s.mask else 1  # model tokens only
-        real[b, :L] = True
-        beh[b, P - 1:L] = torch.tensor(s.logprobs, dtype=torch.float32)
-        cu += [b * T + L] if L < T else []
-        cu.append((b + 1) * T)
-    cu += [(b + 1) * T for b in range(len(samples), B)]
-    return {"input_ids": ids, "targets": tgt, "mask": mask, "behaviour": beh, "real": real,
-            "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
-
-
 def prompt_stream(tokenizer, task: str, seed: int) -> Iterator[tuple]:
     from ..data.demo_sft import rl_prompts
 
@@ -243,19 +200,35 @@ class RLRunner:
                  budgets: Optional[Callable[[], List[int]]] = None):
         self.job, self.rl, self.tokenizer = job, rl.validate(), tokenizer
         self.ps = ps = ps or ParallelState.single()
-        check_layout(ps, job)
-        self.rs = RankStep(job, ps, device, grad_accum=1)
+        self.rollout = check_layout(ps, job, rl)
+        # micro-batches per update vary (update.py pads them to a multiple of pp under interleaved_1f1b);
+        # pp of them is a count every schedule accepts, and each step's own is checked when it runs
+        self.rs = RankStep(job, ps, device, grad_accum=ps.pp_size)
         self.model = self.rs.model
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[rl.engine_dtype]
-        # the engine samples from the same (fake-)quantised model, in the same layout
-        self.engine = Engine(engine_model(job, ps, device, dtype), tokenizer, **(engine_options or {}))
+        # the engines sample from the same (fake-)quantised model, at their own layout (engines.py)
+        self.replica, self.engine_ps = replica_groups(self.rollout, job.parallel, ps.rank, ps.world_size)
+        self.engine, self.engine_plan = None, None
+        if self.replica is not None:
+            m, self.engine_plan = policy_copy(job, self.engine_ps, device, dtype, self.rollout.parallel(job.parallel))
+            self.engine = Engine(m, tokenizer, **(engine_options or {}))
         if init_from:
             src = Engine.from_pretrained(init_from, device=device).model  # whole tensors (any saved layout)
             copy_weights(src, self.model, self.rs.plan)  # each rank takes its tp / ep boxes
-        self.ref_model = None
-        if rl.loss.kl_coef > 0:
-            self.ref_model = engine_model(job, ps, device, torch.float32)
+        self.ref_model = self.ref_pipe = None
+        if rl.loss.kl_coef > 0:  # the reference policy at the trainer's layout (pipeline stages included)
+            self.ref_model, ref_plan = policy_copy(job, ps, device, torch.float32)
             copy_weights(self.model, self.ref_model)
+            if ps.pp_size > 1:
+                from parallel.pipeline import PipelineEngine
+
+                self.ref_pipe = PipelineEngine(self.ref_model, ref_plan.stage_chunks, ps.pp_group,
+                                               job.parallel.pp_schedule, seq_shard=self.rs.engine.seq_shard,
+                                               timeout_s=job.parallel.timeout_s)
+        self._reshard = None
+        self.last_refit: dict = {}
+        """the last refit's ``seconds``, ``bytes_in`` (landed in this rank's engine), ``bytes_remote``,
+        ``bytes_out``, ``shard_bytes`` (refit.py)"""
         self.teachers = [Engine.from_pretrained(p.strip(), device=device).model
                          for p in rl.mopd_teachers.split(",") if p.strip()]
         self.budgets = budgets
@@ -263,9 +236,14 @@ class RLRunner:
         self.version = 0
         self.refit()
         self.buffer = RolloutBuffer(rl.group_size)
-        self.sampler = PartialRollouts(self.engine, SamplingParams(max_tokens=rl.max_tokens,
-                                                                   temperature=rl.temperature,
-                                                                   ignore_eos=rl.ignore_eos), seed=rl.seed)
+        inner = None if self.engine is None else PartialRollouts(
+            self.engine, SamplingParams(max_tokens=rl.max_tokens, temperature=rl.temperature,
+                                        ignore_eos=rl.ignore_eos), seed=rl.seed)
+        E = self.rollout.size
+        self.sampler = ReplicaRollouts(inner, self.replica, self.rollout.replicas,
+                                       leader=self.engine_ps is not None and self.engine_ps.rank == 0,
+                                       sync=not (self.rollout.replicas == 1 and E == ps.world_size),
+                                       checkpoint_interval=(engine_options or {}).get("checkpoint_interval", 512))
         self.prompts = prompt_stream(tokenizer, rl.task, rl.seed)
         self.prompts_used = 0
         self.state = None
@@ -290,10 +268,23 @@ class RLRunner:
         self.prompts_used = n
 
     def refit(self) -> float:
-        """Copy the trainer's weights into the engine's model (in memory); returns the seconds it took."""
+        """Reshard the trainer's weights into every engine rank's (in memory, refit.py; every rank calls
+        it); returns the seconds it took, ``last_refit`` has the bytes."""
         t0 = time.perf_counter()
-        copy_weights(self.model, self.engine.model)
+        if self._reshard is None:  # planned once from both layouts' boxes
+            self._reshard = ReshardPlan(self.model, self.rs.plan, self.engine and self.engine.model,
+                                        self.engine_plan, self.replica, self.job.parallel.timeout_s)
+        if self.engine is not None:
+            restore_weights(self.engine.model)  # released during the update (rl.rollout.release)
+        self.last_refit = self._reshard.run()
         return time.perf_counter() - t0
+
+    def release_engine(self) -> int:
+        """Free this rank's engine weights until the next :meth:`refit` (colocated time-sharing);
+        returns the bytes freed."""
+        if self.engine is None or not self.rollout.release:
+            return 0
+        return release_weights(self.engine.model)
 
     # ------------------------------------------------------------------------------ one iteration
     def generate(self) -> dict:
@@ -349,6 +340,7 @@ class RLRunner:
         rec["trained"] = len(samples)
         self.version += 1
         rec["refit_s"] = self.refit()
+        rec["refit_bytes"] = self.last_refit["bytes_in"]
         rec["uids"] = [r.uid for r in samples]
         self.history.append(rec)
         if self.state is not None:
@@ -358,94 +350,29 @@ class RLRunner:
     # ---------------------------------------------------------------------------------- update
     def _logp(self, model, mb) -> tuple:
         out = model(mb["input_ids"], cu_seqlens=mb["cu_seqlens"], return_logits=True)
+        return self._logits_logp(out.logits, mb["targets"]), out.moe_stats
+
+    def _logits_logp(self, logits, targets) -> torch.Tensor:
+        """Token logprobs of ``targets`` [B, T] from ``logits`` [B, T, V] (or this tp rank's V/tp columns)."""
         V = self.job.model.vocab_size
         if self.rl.temperature > 0:   # the distribution the engine sampled from (its behaviour logprobs)
-            out.logits = out.logits.float() / self.rl.temperature
-        if out.logits.shape[-1] == V:
-            return token_logprobs(out.logits, mb["targets"]), out.moe_stats
+            logits = logits.float() / self.rl.temperature
+        if logits.shape[-1] == V:
+            return token_logprobs(logits, targets)
         # tensor parallel: this rank's vocabulary columns; log p = -(vocab-parallel cross entropy)
         from parallel.tensor_parallel.vocab import vocab_parallel_cross_entropy
 
-        Vl = out.logits.shape[-1]
-        nll = vocab_parallel_cross_entropy(out.logits.reshape(-1, Vl).float(), mb["targets"].reshape(-1),
+        Vl = logits.shape[-1]
+        nll = vocab_parallel_cross_entropy(logits.reshape(-1, Vl).float(), targets.reshape(-1),
                                            self.ps.tp_group, reduction="none")
-        return -nll.view(mb["targets"].shape), out.moe_stats
-
-    def _local_tokens(self, real_BT: torch.Tensor) -> torch.Tensor:
-        """Which of this rank's routed tokens (the MoE's flattened rows) are real tokens, not padding: the
-        Quantile-Balancing statistics count the tokens of the samples only, whatever the padding."""
-        if self.rs.plan.sequence_parallel:  # this rank routes its chunk of every row
-            T = real_BT.shape[1] // self.ps.tp_size
-            real_BT = real_BT[:, self.ps.tp_rank * T:(self.ps.tp_rank + 1) * T]
-        return real_BT.reshape(-1)
+        return -nll.view(targets.shape)
 
     def update(self, samples: List[Rollout], adv_N: torch.Tensor) -> dict:
-        """One optimizer step on ``samples`` (every rank passes the same list; each trains its slice)."""
-        rl, ps, rs, model = self.rl, self.ps, self.rs, self.model
-        M = rl.micro_batch_size
-        cuts = [len(samples) * r // ps.dp_size for r in range(ps.dp_size + 1)]
-        lo, hi = cuts[ps.dp_rank], cuts[ps.dp_rank + 1]
-        mine, adv_mine = samples[lo:hi], adv_N[lo:hi]
-        dev = rs.device
-        shard = ps.tp_size if rs.plan.sequence_parallel else 1
-        # micro-batch i: rows mine[i*M:(i+1)*M]; under expert parallelism every rank runs the same number
-        # of micro-batches of the same [B, T] (MoonEP's dispatch needs equal routed rows on every EP rank):
-        # the shape of micro-batch i is the largest over the data-parallel ranks, padded with masked rows
-        shapes = [(0, 0)] * (-(-len(mine) // M))
-        if ps.ep_size > 1:
-            chunks = [[samples[a:b][i:i + M] for i in range(0, b - a, M)] for a, b in zip(cuts, cuts[1:])]
-            shapes = [(M, max(len(s.prompt_ids) + len(s.token_ids) - 1 for c in chunks if i < len(c) for s in c[i]))
-                      for i in range(max(len(c) for c in chunks))]
-        mbs = []
-        for i, (rows, length) in enumerate(shapes):
-            part = mine[i * M:(i + 1) * M]
-            mb = response_batch(part, self.tokenizer.pad_id, shard, rows, length)
-            mb = {k: (v if k == "cu_seqlens" else v.to(dev)) for k, v in mb.items()}
-            adv = torch.zeros(mb["mask"].shape[0])
-            adv[:len(part)] = adv_mine[i * M:(i + 1) * M]
-            mb["adv"] = adv.to(dev)
-            mbs.append(mb)
-        agg = rl.loss.aggregation
-        count = torch.tensor([float(sum(float(mb["mask"].sum()) for mb in mbs) if agg == "token" else len(mine))],
-                             dtype=torch.float64, device=dev)
-        denom = float(all_reduce_sum(count, [ps.dp_group]).clamp_min(1.0))
-        model.train()
-        report = {"is_mean": 0.0, "is_capped": 0.0}
-        with torch.no_grad(), rs.autocast():
-            for i, mb in enumerate(mbs):
-                mb["logp_old"] = self._logp(model, mb)[0]
-                if self.ref_model is not None:
-                    mb["logp_ref"] = self._logp(self.ref_model, mb)[0]
-                if self.teachers:  # MOPD: per-token rewards are the advantages
-                    rows = mine[i * M:(i + 1) * M]
-                    which = torch.zeros(mb["mask"].shape[0], dtype=torch.long)
-                    which[:len(rows)] = torch.tensor([r.group % len(self.teachers) for r in rows], dtype=torch.long)
-                    which = which.to(dev)
-                    t_MNT = torch.stack([self._logp(t, mb)[0] for t in self.teachers])
-                    mb["adv"] = mopd_rewards(mb["logp_old"], t_MNT, which, rl.mopd_r_max) * mb["mask"]
-        ntok = sum(float(mb["mask"].sum()) for mb in mbs)
-        sums = torch.zeros(4, dtype=torch.float64, device=dev)  # loss, clipped tokens, kl, tokens
-        biases = [m.gate.e_score_correction_bias for m in model.moe_layers()]
-        for mb in mbs:
-            w, rep = staleness_weights(mb["logp_old"], mb["behaviour"], mb["mask"], rl.loss.is_cap)
-            n = float(mb["mask"].sum())
-            report["is_mean"] += rep["is_mean"] * n / max(ntok, 1)
-            report["is_capped"] += rep["is_capped"] * n / max(ntok, 1)
-            with rs.autocast():
-                logp, moe_stats = self._logp(model, mb)
-            loss, st = policy_loss(logp, mb["logp_old"], mb["adv"], mb["mask"], rl.loss, denom, w,
-                                   mb.get("logp_ref"))
-            loss.backward()
-            sums += torch.stack([loss.detach().double(), st["clip_frac_sum"], st["kl_sum"], st["tokens"]])
-            keep = self._local_tokens(mb["real"])
-            for acc, s, bias in zip(rs.balancers, moe_stats, biases):
-                acc.add(s.scores_TE[keep], bias)
-        sync_partial_grads(model, rs.plan, ps.tp_group)
-        sums = all_reduce_sum(sums, [ps.dp_group])
-        out = rs.apply(self.version, rl.iterations)
-        tok = max(float(sums[3]), 1.0)
-        return {"loss": float(sums[0]), "grad_norm": float(out["grad_norm"]), "clip_frac": float(sums[1]) / tok,
-                "kl": float(sums[2]) / tok, "response_tokens": int(sums[3]), **report}
+        """One optimizer step on ``samples`` (every rank passes the same list; each trains its slice) at the
+        trainer's layout (megak3/posttrain/update.py). Frees the engine's weights first (rl.rollout.release):
+        :meth:`refit` re-creates them."""
+        self.release_engine()
+        return policy_update(self, samples, adv_N)
 
     def fit(self, log=print) -> List[dict]:
         """Run iterations until ``rl.iterations`` updates are done (counting a restored run's)."""

@@ -227,6 +227,7 @@ class PipelineEngine:
         self.peak_activation_bytes = 0
         self.p2p_bytes_per_mb = {"F": 0, "B": 0}
         self.store = WeightGradStore()
+        self._head = None
         self._plans: Dict[tuple, List[List[tuple]]] = {}
 
     # ---- topology --------------------------------------------------------------------------------
@@ -358,8 +359,8 @@ class PipelineEngine:
             partial, blocks = inputs[0], tuple(inputs[1:])
         partial, blocks, stats = model.run_layers(self.modules[c], partial, blocks, seq)
         if v == self.V - 1:
-            loss_sum, _ = model.loss_fn(model.head(partial, blocks), labels)
-            out = (loss_sum,)
+            logits = model.head(partial, blocks)
+            out = (model.loss_fn(logits, labels)[0] if self._head is None else self._head(i, logits),)
         else:
             out = (partial, *blocks)
         self.trace.append(("F", c, i, t0, time.perf_counter()))
@@ -440,21 +441,28 @@ class PipelineEngine:
 
     # ---- evaluation ------------------------------------------------------------------------------
     @torch.no_grad()
-    def forward_only(self, micro_batches: Sequence[dict]):
-        """(loss_sum, labelled tokens) over ``micro_batches``, identical on every stage."""
+    def forward_only(self, micro_batches: Sequence[dict], head=None):
+        """(loss_sum, labelled tokens) over ``micro_batches``, identical on every stage. ``head``: as
+        in :meth:`train_step`."""
         fwd = [[Action("F", c, i) for i in range(len(micro_batches)) for c in range(self.vp)]] * self.p
+        self._head = head
         loss_sum, _ = self._run(micro_batches, fwd, train=False)
         return float(loss_sum[0]), int(loss_sum[1])
 
     # ---- one step --------------------------------------------------------------------------------
-    def train_step(self, micro_batches: Sequence[dict], step_tokens):
+    def train_step(self, micro_batches: Sequence[dict], step_tokens, head=None):
         """Forward + backward of every micro-batch; gradients accumulate in ``.grad``.
+
+        ``head``: None (the model's ``loss_fn`` of the logits and labels), or ``head(i, logits)`` -> the
+        0-dim loss of micro-batch ``i`` from the last stage's logits (``[B, T/cp, V or V/tp]``), which
+        the last stage backpropagates divided by ``step_tokens`` (RL: its policy loss, megak3/posttrain).
 
         Returns (loss_sum of the step, identical on every stage; MoE stats of this rank's layers,
         one list per micro-batch in layer order). ``step_tokens``: the step's labelled tokens over
         the data-parallel group, a number or a device scalar tensor (no host sync)."""
         m = len(micro_batches)
         schedule = build_schedule(self.schedule, self.p, m, self.vp)
+        self._head = head
         self.step_tokens = torch.as_tensor(step_tokens, device=next(self.model.parameters()).device).clamp_min(1)
         if splits_weight_grad(self.schedule):
             with self.store.capture():

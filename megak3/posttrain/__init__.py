@@ -9,6 +9,6 @@ built-in chat corpus, data=demo_sft, and its verifiable tasks).
     buffer.py     rollouts with a policy version and a behaviour logprob per token; the rollout buffer
     rollout.py    partial rollouts on the in-process engine (pause / resume with caches kept)
     rl.py         the RL loop (RLRunner): generate, reward, update through RankStep, refit
-    resume.py     kill -9 safe RL state (policy file, buffer file, journal of finished samples)
+    checkpoint.py RL checkpoints in the checkpoint package (policy, optimizer, RL state; journal of finished samples)
     __main__.py   python -m megak3.posttrain: RL from a checkpoint, with a shuffled-reward control
 """

@@ -268,18 +268,26 @@ class RLRunner:
         self.prompts = prompt_stream(tokenizer, rl.task, rl.seed)
         self.prompts_used = 0
         self.state = None
-        """a :class:`~megak3.posttrain.resume.RLState` when the run is resumable (:meth:`resumable`)"""
+        """a :class:`~megak3.posttrain.checkpoint.RLCheckpoint` when the run is resumable (:meth:`resumable`)"""
         self._rng = random.Random(rl.seed)
         self.history: List[dict] = []
 
-    def resumable(self, run_dir) -> bool:
-        """Save state to ``run_dir`` from now on (megak3/posttrain/resume.py); restore what it holds.
-        Returns True when a previous run's state was restored."""
-        from .resume import RLState
+    def resumable(self, run_dir, save_interval: int = 1, resume: str = "auto", keep_last: int = 2) -> bool:
+        """Checkpoint the run under ``run_dir`` from now on (megak3/posttrain/checkpoint.py: every
+        ``save_interval`` versions and at the last; the journal of finished samples always) and restore
+        what ``resume`` names (``train.resume``: auto, none or a checkpoint). True when a state was restored."""
+        from .checkpoint import RLCheckpoint
 
-        self.state = RLState(self, run_dir)
+        self.state = RLCheckpoint(self, run_dir, save_interval, keep_last)
         self.sampler.on_finish = self.state.journal
-        return self.state.restore()
+        return self.state.restore(resume)
+
+    def extra_state(self) -> dict:
+        """More RL state for the checkpoint (plain data); a subclass adds its own."""
+        return {}
+
+    def load_extra_state(self, state: dict) -> None:
+        """Restore what :meth:`extra_state` returned."""
 
     def skip_prompts(self, n: int) -> None:
         """Continue the prompt stream after its first ``n`` prompts (a restored run)."""
@@ -351,7 +359,7 @@ class RLRunner:
         rec["uids"] = [r.uid for r in samples]
         self.history.append(rec)
         if self.state is not None:
-            self.state.save_policy()
+            self.state.after_update()
         return rec
 
     # ---------------------------------------------------------------------------------- update

@@ -97,7 +97,7 @@ class AgentRunner(RLRunner):
             spec["max_turns"] = rl.max_turns
         self.tasks_used += 1
         group = self.buffer.add_prompt([], self.budgets() if self.budgets else rl.episode_tokens,
-                                       make_task(spec).answer)
+                                       make_task(spec).answer, task=rl.env)
         for r in group:
             eid = f"ep{r.uid}"
             obs = self.driver.start(eid, spec)

@@ -52,8 +52,10 @@ from ..job.config import JobConfig
 from ..train.step import RankStep, all_reduce_sum
 from .buffer import Rollout, RolloutBuffer
 from .objective import LossConfig, group_advantages, policy_loss, staleness_weights, token_logprobs
+from .mopd import kl_report, load_teachers, route, teacher_logprobs
 from .rewards import effort_override, exact_answer, mopd_rewards
 from .rollout import PartialRollouts
+from .tasks import call_reward, load_reward, metadata, parse_tasks, prompt_stream, tag
 
 
 @dataclass
@@ -75,7 +77,13 @@ class RLConfig:
     micro_batch_size: int = 16
     """rollouts per forward/backward of the update"""
     task: str = "add"
-    """the verifiable demo task family (megak3/data/demo_sft.py FAMILIES)"""
+    """the verifiable demo task family (megak3/data/demo_sft.py FAMILIES) when rl.tasks is empty"""
+    tasks: str = ""
+    """a prompt mixture NAME[@EFFORT][:WEIGHT],... (megak3/posttrain/tasks.py), e.g. add:0.5,reverse:0.5; every
+    sample is tagged with its task and effort (empty: rl.task alone)"""
+    reward: str = ""
+    """module:function, a batched reward (prompts, completions, metadata) -> floats used instead of the exact
+    answer (megak3/posttrain/tasks.py; empty: the exact answer)"""
     shuffle_rewards: bool = False
     """control: permute the rewards across the update's samples"""
     effort_tau: float = 0.0
@@ -85,9 +93,10 @@ class RLConfig:
     seed: int = 0
     """prompt order and sampling seeds"""
     mopd_teachers: str = ""
-    """MOPD: comma-separated teacher checkpoints (megak3 or Hugging Face); the advantage of every response
-    token becomes clip(log pi_teacher - log pi_theta, -mopd_r_max, mopd_r_max), the rollouts of group g
-    distilled from teacher g mod M (empty: the task reward and group advantages)"""
+    """MOPD: TAG=PATH,... teacher checkpoints (megak3 or Hugging Face) by sample tag, or one untagged PATH for
+    every sample (megak3/posttrain/mopd.py); the advantage of every response token becomes
+    clip(log pi_teacher - log pi_theta, -mopd_r_max, mopd_r_max) with the teacher of the sample's own tag
+    (empty: the task reward and group advantages)"""
     mopd_r_max: float = 1.0
     """R_max of the MOPD per-token reward"""
     ignore_eos: bool = False
@@ -123,6 +132,11 @@ class RLConfig:
         from ..data.demo_sft import FAMILIES
 
         need(self.task in FAMILIES, "task", f"must be one of {', '.join(FAMILIES)}")
+        from .tasks import parse_tasks
+
+        parse_tasks(self.tasks, self.task)
+        mod, _, fn = self.reward.partition(":")
+        need(not self.reward or (mod and fn), "reward", "must be module:function, e.g. rl.reward=my_rewards:score")
         from ..envs.tasks import FAMILIES as ENV_FAMILIES
 
         need(self.env in ("",) + tuple(ENV_FAMILIES), "env", f"must be '' or one of {', '.join(ENV_FAMILIES)}")
@@ -223,16 +237,6 @@ def response_batch(samples: List[Rollout], pad_id: int, multiple: int = 1, rows:
             "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
 
 
-def prompt_stream(tokenizer, task: str, seed: int) -> Iterator[tuple]:
-    from ..data.demo_sft import rl_prompts
-
-    k = 0
-    while True:
-        for msgs, answer in rl_prompts(256, task, seed=seed * 1000 + k):
-            yield generation_prompt(tokenizer, msgs), answer
-        k += 1
-
-
 class RLRunner:
     """One rank of an RL run (module docstring). ``init_from``: a megak3 checkpoint/run directory or a
     Hugging Face directory whose weights start the policy (None: the RankStep's initialisation)."""
@@ -255,8 +259,16 @@ class RLRunner:
         if rl.loss.kl_coef > 0:
             self.ref_model = engine_model(job, ps, device, torch.float32)
             copy_weights(self.model, self.ref_model)
-        self.teachers = [Engine.from_pretrained(p.strip(), device=device).model
-                         for p in rl.mopd_teachers.split(",") if p.strip()]
+        self.task_specs = parse_tasks(rl.tasks, rl.task)
+        self.reward_fn = (load_reward(rl.reward, tokenizer, next(prompt_stream(tokenizer, self.task_specs, rl.seed)))
+                          if rl.reward else None)
+        # MOPD: checked against the student (tokenizer, vocabulary, special ids) before any rollout
+        found = load_teachers(rl.mopd_teachers, tokenizer, job.model.vocab_size, device) if rl.mopd_teachers else []
+        self.teachers = [t.model for t in found]
+        self.teacher_tags = [t.tag for t in found]
+        self.teacher_routes = route([rl.env] if rl.env else [t.tag for t in self.task_specs], found,
+                                    rl.mopd_teachers) if found else {}
+        """sample tag -> index of its teacher in ``teachers``"""
         self.budgets = budgets
         """callable -> K response budgets of a new group (default: rl.max_tokens each)"""
         self.version = 0
@@ -265,7 +277,7 @@ class RLRunner:
         self.sampler = PartialRollouts(self.engine, SamplingParams(max_tokens=rl.max_tokens,
                                                                    temperature=rl.temperature,
                                                                    ignore_eos=rl.ignore_eos), seed=rl.seed)
-        self.prompts = prompt_stream(tokenizer, rl.task, rl.seed)
+        self.prompts = prompt_stream(tokenizer, self.task_specs, rl.seed)
         self.prompts_used = 0
         self.state = None
         """a :class:`~megak3.posttrain.checkpoint.RLCheckpoint` when the run is resumable (:meth:`resumable`)"""
@@ -291,7 +303,7 @@ class RLRunner:
 
     def skip_prompts(self, n: int) -> None:
         """Continue the prompt stream after its first ``n`` prompts (a restored run)."""
-        self.prompts = prompt_stream(self.tokenizer, self.rl.task, self.rl.seed)
+        self.prompts = prompt_stream(self.tokenizer, self.task_specs, self.rl.seed)
         for _ in range(n):
             next(self.prompts)
         self.prompts_used = n
@@ -306,9 +318,9 @@ class RLRunner:
     def generate(self) -> dict:
         rl = self.rl
         for _ in range(rl.prompts - self.buffer.num_groups()):  # the carried-over groups count towards N
-            ids, answer = next(self.prompts)
+            p = next(self.prompts)
             self.prompts_used += 1
-            self.buffer.add_prompt(ids, self.budgets() if self.budgets else rl.max_tokens, answer)
+            self.buffer.add_prompt(p.ids, self.budgets() if self.budgets else rl.max_tokens, p.answer, p.task, p.effort)
         if self.state is not None:
             self.state.save_buffer()
         target = math.ceil(rl.partial_fraction * rl.prompts * rl.group_size)
@@ -322,6 +334,13 @@ class RLRunner:
 
     def score(self, groups: List[List[Rollout]]) -> torch.Tensor:
         rl = self.rl
+        if self.reward_fn is not None:  # rl.reward: one batched call over the samples still unscored
+            todo = [r for g in groups for r in g if r.reward is None]
+            vals = call_reward(self.reward_fn, rl.reward, [self.tokenizer.decode(r.prompt_ids) for r in todo],
+                               [r.text for r in todo], [metadata(r.task, r.effort, r.answer, r.prompt_ids,
+                                                                 r.token_ids) for r in todo]) if todo else []
+            for r, v in zip(todo, vals):
+                r.reward = v
         R = torch.tensor([[exact_answer(r.text, r.answer) if r.reward is None else r.reward for r in g]
                           for g in groups], dtype=torch.float64)
         if rl.effort_tau > 0:
@@ -341,6 +360,11 @@ class RLRunner:
             return rec
         R = self.score(groups)
         rec["reward"] = float(R.mean())
+        if len(self.task_specs) > 1:  # the mixture: the mean reward of each tag's samples
+            by: Dict[str, list] = {}
+            for g, row in zip(groups, R.tolist()):
+                by.setdefault(tag(g[0].task, g[0].effort), []).extend(row)
+            rec.update({f"reward_{t}": sum(v) / len(v) for t, v in sorted(by.items())})
         train_R = R
         if self.rl.shuffle_rewards:
             flat = R.flatten()[torch.randperm(R.numel(), generator=torch.Generator().manual_seed(
@@ -375,6 +399,11 @@ class RLRunner:
         nll = vocab_parallel_cross_entropy(out.logits.reshape(-1, Vl).float(), mb["targets"].reshape(-1),
                                            self.ps.tp_group, reduction="none")
         return -nll.view(mb["targets"].shape), out.moe_stats
+
+    def teacher_of(self, r: Rollout) -> int:
+        """Index of the teacher of sample ``r``: its tag's (rl.mopd_teachers), else its task's, else 0."""
+        t = tag(r.task, r.effort)
+        return self.teacher_routes.get(t, self.teacher_routes.get(r.task, 0))
 
     def _local_tokens(self, real_BT: torch.Tensor) -> torch.Tensor:
         """Which of this rank's routed tokens (the MoE's flattened rows) are real tokens, not padding: the
@@ -416,18 +445,29 @@ class RLRunner:
         denom = float(all_reduce_sum(count, [ps.dp_group]).clamp_min(1.0))
         model.train()
         report = {"is_mean": 0.0, "is_capped": 0.0}
+        nt = len(self.teachers)
+        mopd = {"rows": 0, "kl": torch.zeros(nt, dtype=torch.float64), "tokens": torch.zeros(nt, dtype=torch.float64)}
         with torch.no_grad(), rs.autocast():
             for i, mb in enumerate(mbs):
                 mb["logp_old"] = self._logp(model, mb)[0]
                 if self.ref_model is not None:
                     mb["logp_ref"] = self._logp(self.ref_model, mb)[0]
-                if self.teachers:  # MOPD: per-token rewards are the advantages
+                if self.teachers:  # MOPD: per-token rewards are the advantages, each row's from its own teacher
                     rows = mine[i * M:(i + 1) * M]
-                    which = torch.zeros(mb["mask"].shape[0], dtype=torch.long)
-                    which[:len(rows)] = torch.tensor([r.group % len(self.teachers) for r in rows], dtype=torch.long)
-                    which = which.to(dev)
-                    t_MNT = torch.stack([self._logp(t, mb)[0] for t in self.teachers])
-                    mb["adv"] = mopd_rewards(mb["logp_old"], t_MNT, which, rl.mopd_r_max) * mb["mask"]
+                    which = [self.teacher_of(r) for r in rows] + [-1] * (mb["mask"].shape[0] - len(rows))
+                    T = mb["mask"].shape[1]
+
+                    def sub(idx, rows=rows, T=T):
+                        b = response_batch([rows[j] for j in idx], self.tokenizer.pad_id, shard, 0, T)
+                        return {k: (v if k == "cu_seqlens" else v.to(dev)) for k, v in b.items()}
+
+                    t_BT, fwd, kl, kt = teacher_logprobs(lambda m, b: self._logp(m, b)[0], self.teachers, which, sub,
+                                                         mb["logp_old"], mb["mask"])
+                    mopd["rows"] += fwd
+                    mopd["kl"] += kl
+                    mopd["tokens"] += kt
+                    mb["adv"] = mopd_rewards(mb["logp_old"], t_BT.unsqueeze(0), torch.zeros(len(which), dtype=torch.long,
+                                             device=dev), rl.mopd_r_max) * mb["mask"]
         ntok = sum(float(mb["mask"].sum()) for mb in mbs)
         sums = torch.zeros(4, dtype=torch.float64, device=dev)  # loss, clipped tokens, kl, tokens
         biases = [m.gate.e_score_correction_bias for m in model.moe_layers()]
@@ -449,6 +489,10 @@ class RLRunner:
         sums = all_reduce_sum(sums, [ps.dp_group])
         out = rs.apply(self.version, rl.iterations)
         tok = max(float(sums[3]), 1.0)
+        if self.teachers:  # teacher row-forwards of this rank, KL to each teacher over the data-parallel group
+            st = all_reduce_sum(torch.cat([mopd["kl"], mopd["tokens"]]).to(dev), [ps.dp_group]).cpu()
+            report["teacher_rows"] = mopd["rows"]
+            report.update(kl_report(self.teacher_tags, st[:nt], st[nt:]))
         return {"loss": float(sums[0]), "grad_norm": float(out["grad_norm"]), "clip_frac": float(sums[1]) / tok,
                 "kl": float(sums[2]) / tok, "response_tokens": int(sums[3]), **report}
 

@@ -115,3 +115,68 @@ def test_reward_function_by_import_path_is_learned_above_a_shuffled_control(env)
         print(f"shuffle={shuffle}: reward per update {[round(x, 2) for x in rewards]}")
         last[shuffle] = sum(rewards[-3:]) / 3
     assert last[False] >= 0.6 and last[False] >= last[True] + 0.3, last
+
+
+# ------------------------------------------------------------------------------------------ MOPD teachers
+def _save(r, path):
+    r.resumable(path)
+    r.state.ckpt.save(r.version)
+    return path
+
+
+def test_teacher_of_another_tokenizer_or_vocabulary_is_refused_before_any_rollout(env, monkeypatch, capsys):
+    from megak3.posttrain import rl as rlmod
+    from megak3.posttrain.__main__ import main
+
+    other_tok = build_demo_sft_dataset(env.root / "cache2", 512, num_conversations=60, progress=False)[1]
+    bad_tok = env.root / "bad_tok"
+    shutil.copytree(env.student, bad_tok)
+    shutil.copyfile(other_tok, bad_tok / "tokenizer.json")
+    bad_vocab = _save(RLRunner(job(vocab=640), RLConfig(prompts=2, group_size=2), env.tok, engine_options=ENGINE),
+                      env.root / "bad_vocab")
+    monkeypatch.setattr(rlmod.PartialRollouts, "run", lambda *a, **k: pytest.fail("a rollout ran"))
+    for path, why in ((bad_tok, "another tokenizer"), (bad_vocab, "vocabulary size 640")):
+        with pytest.raises(ValueError, match=why):
+            runner(env.tok, mopd_teachers=f"add={path}")
+        assert main(["--init-from", str(env.student), "--eval-prompts", "1", f"rl.mopd_teachers=add={path}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and why in err and str(path) in err
+    for spec, why in ((f"{env.student},{env.student}", "needs its domain tag"), (f"reverse={env.student}", "no teacher"),
+                      (f"add={env.student},upper={env.student}", "matches no task")):
+        with pytest.raises(ValueError, match=why):
+            runner(env.tok, mopd_teachers=spec)
+
+
+def test_each_row_is_scored_by_its_own_teacher_only(env):
+    """Four teachers on four tagged domains: the teacher row-forwards of an update equal the rows trained; and a
+    row's teacher logprobs equal its own teacher's forward of the whole batch (the routing, against a reference)."""
+    from megak3.model.k3 import build_model
+    from megak3.posttrain.mopd import teacher_logprobs
+    from megak3.posttrain.objective import token_logprobs
+    from megak3.posttrain.rl import response_batch
+
+    tasks = ("add", "reverse", "upper", "first")
+    r = runner(env.tok, tasks=",".join(tasks), prompts=4, micro_batch_size=3,
+               mopd_teachers=",".join(f"{t}={env.student}" for t in tasks))
+    assert len(r.teachers) == 4
+    rec = r.iteration()
+    print(f"4 teachers: {rec['teacher_rows']} teacher row-forwards for {rec['trained']} rows trained")
+    assert rec["teacher_rows"] == rec["trained"] == 8
+    assert {f"kl_{t}" for t in tasks} <= set(rec)
+    r.generate()
+    samples = [s for g in r.buffer.take_trainable() for s in g]
+    models = [build_model(r.job.model, seed=s).eval() for s in (11, 12)]
+    mb = response_batch(samples, env.tok.pad_id)
+    which = [i % 2 for i in range(len(samples))]
+    with torch.no_grad():
+        full = [token_logprobs(m(mb["input_ids"], cu_seqlens=mb["cu_seqlens"], return_logits=True).logits,
+                               mb["targets"]) for m in models]
+    lp = lambda m, b: token_logprobs(m(b["input_ids"], cu_seqlens=b["cu_seqlens"], return_logits=True).logits,  # noqa
+                                     b["targets"])
+    got, fwd, _, _ = teacher_logprobs(lp, models, which, lambda idx: response_batch(
+        [samples[j] for j in idx], env.tok.pad_id, 1, 0, mb["mask"].shape[1]), torch.zeros_like(full[0]), mb["mask"])
+    assert fwd == len(samples)
+    m = mb["mask"].bool()
+    for b, w in enumerate(which):
+        assert torch.allclose(got[b][m[b]], full[w][b][m[b]], atol=1e-5)
+

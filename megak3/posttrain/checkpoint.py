@@ -183,12 +183,12 @@ class RLCheckpoint:
         if spec == "none":
             return False
         path, common = self.ckpt.resume(spec)
-        buf, offset, used = None, 0, 0
+        buf, offset, used, extra = None, 0, 0, {}
         if common is not None:
             st = self.loaded
             rn.version, rn.history = int(st["version"]), list(st["history"])
             buf, offset, used = st["buffer"], int(st["journal_lines"]), int(st["prompts_used"])
-            rn.load_extra_state(st.get("extra") or {})
+            extra = st.get("extra") or {}
         bpath = self.dir / BUFFER
         if bpath.exists():
             b = _read_json(bpath, "rollout buffer")
@@ -210,6 +210,7 @@ class RLCheckpoint:
                     if int(d["uid"]) in rn.buffer.rollouts:
                         rn.buffer.rollouts[int(d["uid"])] = Rollout(**d)
         self.journal_lines = self._count_lines()
+        rn.load_extra_state(extra)
         rn.skip_prompts(used)
         rn.refit()
         return True

@@ -98,20 +98,35 @@ def run(args, rl_over, optim_over, shuffle: bool, train_over=()) -> dict:
         return run_agentic(args, job, rl, src.tokenizer)
     runner = RLRunner(job, rl, src.tokenizer, init_from=args.init_from)
     resumed = keep(runner, job.train)
-    before = accuracy(runner.engine, src.tokenizer, rl.task, args.eval_prompts)
+    tasks = sorted({t.name for t in runner.task_specs})
+    before = {t: accuracy(runner.engine, src.tokenizer, t, args.eval_prompts) for t in tasks}
     t0 = time.time()
     tag = "control" if rl.shuffle_rewards else "rl"
     runner.fit(log=(lambda s: print(f"[{tag}] {s}", flush=True)) if args.verbose else None)
-    after = accuracy(runner.engine, src.tokenizer, rl.task, args.eval_prompts)
-    rewards = [h["reward"] for h in runner.history if "reward" in h]
-    w = min(args.window, len(rewards))
-    a, b = sum(rewards[:w]) / w, sum(rewards[-w:]) / w
+    after = {t: accuracy(runner.engine, src.tokenizer, t, args.eval_prompts) for t in tasks}
+    a, b, w = first_last(runner.history, "reward", args.window)
+    acc = ", ".join(f"{t} {before[t]:.3f} -> {after[t]:.3f}" for t in tasks)
     print(f"[{tag}] reward: {a:.3f} -> {b:.3f} (mean of the first/last {w} iterations); greedy accuracy on "
-          f"{args.eval_prompts} held-out prompts: {before:.3f} -> {after:.3f}; {time.time() - t0:.0f} s", flush=True)
+          f"{args.eval_prompts} held-out prompts: {acc}; {time.time() - t0:.0f} s", flush=True)
+    domains = sorted({k for h in runner.history for k in h if k.startswith(("reward_", "kl_"))})
+    if domains:  # per domain: the mean reward of its samples and the KL to its teacher (MOPD), first/last window
+        parts = []
+        for k in domains:
+            x, y, _ = first_last(runner.history, k, args.window)
+            what = f"KL to teacher {k[3:]}" if k.startswith("kl_") else f"reward {k[7:]}"
+            parts.append(f"{what} {x:.3f} -> {y:.3f}")
+        print(f"[{tag}] by domain: {'; '.join(parts)}", flush=True)
     if job.train.run_dir:
         print(f"[{tag}] policy version {runner.version} saved in {job.train.run_dir} (megak3 checkpoint"
               f"{'; resumed at version ' + str(resumed) if resumed is not None else ''})", flush=True)
     return {"reward_first": a, "reward_last": b, "acc_before": before, "acc_after": after}
+
+
+def first_last(history, key: str, window: int):
+    """(mean of ``key`` over the first ``window`` records that have it, over the last ``window``, window)."""
+    vals = [h[key] for h in history if key in h]
+    w = max(min(window, len(vals)), 1)
+    return (sum(vals[:w]) / w, sum(vals[-w:]) / w, w) if vals else (float("nan"), float("nan"), 0)
 
 
 def keep(runner, train) -> "int | None":

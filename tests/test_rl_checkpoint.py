@@ -99,15 +99,18 @@ def test_planted_pickle_is_refused_and_never_runs(straight, tmp_path, target):
     run = tmp_path / "run"
     shutil.copytree(root / "run", run)
     marker = tmp_path / "pwned"
-    ckpt = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     if target in ("state.pt", "objects"):  # inside the checkpoint: manifest hashes fixed to match
+        ckpt = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
         _plant(ckpt, "state.pt" if target == "state.pt" else "shard_00000.obj.pt", marker)
     else:
         torch.save({"payload": _Planted(marker)}, run / target)
     runner = make_runner(root / "cache")
-    with pytest.raises(ValueError) as e:
-        runner.resumable(run)
-    assert "\n" not in str(e.value) and not marker.exists()
+    try:
+        with pytest.raises(ValueError) as e:
+            runner.resumable(run)
+    finally:
+        assert not marker.exists(), "the planted pickle ran"
+    assert "\n" not in str(e.value)
 
 
 def test_final_policy_is_a_checkpoint_for_generate_init_from_and_teachers(straight, tmp_path, capsys):
@@ -120,6 +123,12 @@ def test_final_policy_is_a_checkpoint_for_generate_init_from_and_teachers(straig
     assert capsys.readouterr().out.strip()
     loaded = Engine.from_pretrained(str(run)).model.state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in weights.items())
+    hf = tmp_path / "hf"  # tools/convert_hf.py export reads it like a pretraining checkpoint
+    p = subprocess.run([sys.executable, str(HERE.parent / "tools" / "convert_hf.py"), "export", str(run / "checkpoints"),
+                        str(hf), "--dtype", "fp32", "--experts", "bf16"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(HERE.parent)}, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert (hf / "config.json").is_file()
     r2 = make_runner(root / "cache", iterations=1, mopd_teachers=str(run))
     assert len(r2.teachers) == 1
     from megak3.posttrain.rl import RLRunner

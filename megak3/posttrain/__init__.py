@@ -6,6 +6,8 @@ built-in chat corpus, data=demo_sft, and its verifiable tasks).
 
     objective.py  group advantages, truncated per-token staleness weights, the clipped policy loss
     rewards.py    exact answers, the effort-control override, MOPD's per-token reward
+    tasks.py      task mixtures with domain/effort tags (rl.tasks), user reward functions (rl.reward)
+    mopd.py       MOPD teachers by domain tag: checked against the student, each scoring its own rows
     buffer.py     rollouts with a policy version and a behaviour logprob per token; the rollout buffer
     rollout.py    partial rollouts on the in-process engine (pause / resume with caches kept)
     rl.py         the RL loop (RLRunner): generate, reward, update through RankStep, refit

@@ -137,3 +137,32 @@ def kl_report(tags: Sequence[str], kl, ntok) -> Dict[str, float]:
     (``kl_teacher`` for an untagged one, ``kl_teacherI`` for teachers given without tags)."""
     name = lambda i: (tags[i] or "teacher") if i < len(tags) else f"teacher{i}"  # noqa: E731
     return {f"kl_{name(i)}": float(kl[i] / ntok[i]) for i in range(len(ntok)) if ntok[i] > 0}
+
+
+def new_tally(n: int) -> dict:
+    """An update's MOPD bookkeeping: teacher row-forwards, and per teacher the KL sum and token count."""
+    return {"rows": 0, "kl": torch.zeros(n, dtype=torch.float64), "tokens": torch.zeros(n, dtype=torch.float64)}
+
+
+def distil_advantages(runner, mb: dict, rows: list, shard: int, tally: dict) -> torch.Tensor:
+    """MOPD advantages of one micro-batch of ``runner``'s update: per token
+    ``clip(log pi_teacher - log pi_theta, -R_max, R_max)`` (rewards.mopd_rewards) with each row's own teacher
+    (``runner.teacher_of``), the rows of each teacher in one forward; adds to ``tally``."""
+    from .rewards import mopd_rewards
+    from .rl import response_batch
+
+    B, T = mb["mask"].shape
+    dev = mb["mask"].device
+    which = [runner.teacher_of(r) for r in rows] + [-1] * (B - len(rows))
+
+    def batch(idx):
+        b = response_batch([rows[j] for j in idx], runner.tokenizer.pad_id, shard, 0, T)
+        return {k: (v if k == "cu_seqlens" else v.to(dev)) for k, v in b.items()}
+
+    t_BT, fwd, kl, ntok = teacher_logprobs(lambda m, b: runner._logp(m, b)[0], runner.teachers, which, batch,
+                                           mb["logp_old"], mb["mask"])
+    tally["rows"] += fwd
+    tally["kl"] += kl
+    tally["tokens"] += ntok
+    own = torch.zeros(B, dtype=torch.long, device=dev)  # t_BT already holds each row's own teacher
+    return mopd_rewards(mb["logp_old"], t_BT.unsqueeze(0), own, runner.rl.mopd_r_max) * mb["mask"]

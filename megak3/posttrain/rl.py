@@ -34,7 +34,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,6 @@ from parallel.parallelize import sync_partial_grads
 from parallel.plan import canonical_name
 from parallel.state import ParallelState
 
-from ..data.chat import generation_prompt
 from ..data.packing import IGNORE_INDEX
 from ..inference import Engine, SamplingParams
 from ..model.k3 import build_model
@@ -52,10 +51,10 @@ from ..job.config import JobConfig
 from ..train.step import RankStep, all_reduce_sum
 from .buffer import Rollout, RolloutBuffer
 from .objective import LossConfig, group_advantages, policy_loss, staleness_weights, token_logprobs
-from .mopd import kl_report, load_teachers, route, teacher_logprobs
-from .rewards import effort_override, exact_answer, mopd_rewards
+from .mopd import distil_advantages, kl_report, load_teachers, new_tally, route
+from .rewards import effort_override, exact_answer
 from .rollout import PartialRollouts
-from .tasks import call_reward, load_reward, metadata, parse_tasks, prompt_stream, tag
+from .tasks import load_reward, parse_tasks, prompt_stream, rewards_by_tag, score_with, tag
 
 
 @dataclass
@@ -335,12 +334,7 @@ class RLRunner:
     def score(self, groups: List[List[Rollout]]) -> torch.Tensor:
         rl = self.rl
         if self.reward_fn is not None:  # rl.reward: one batched call over the samples still unscored
-            todo = [r for g in groups for r in g if r.reward is None]
-            vals = call_reward(self.reward_fn, rl.reward, [self.tokenizer.decode(r.prompt_ids) for r in todo],
-                               [r.text for r in todo], [metadata(r.task, r.effort, r.answer, r.prompt_ids,
-                                                                 r.token_ids) for r in todo]) if todo else []
-            for r, v in zip(todo, vals):
-                r.reward = v
+            score_with(self.reward_fn, rl.reward, self.tokenizer, [r for g in groups for r in g if r.reward is None])
         R = torch.tensor([[exact_answer(r.text, r.answer) if r.reward is None else r.reward for r in g]
                           for g in groups], dtype=torch.float64)
         if rl.effort_tau > 0:
@@ -361,10 +355,7 @@ class RLRunner:
         R = self.score(groups)
         rec["reward"] = float(R.mean())
         if len(self.task_specs) > 1:  # the mixture: the mean reward of each tag's samples
-            by: Dict[str, list] = {}
-            for g, row in zip(groups, R.tolist()):
-                by.setdefault(tag(g[0].task, g[0].effort), []).extend(row)
-            rec.update({f"reward_{t}": sum(v) / len(v) for t, v in sorted(by.items())})
+            rec.update(rewards_by_tag(groups, R))
         train_R = R
         if self.rl.shuffle_rewards:
             flat = R.flatten()[torch.randperm(R.numel(), generator=torch.Generator().manual_seed(
@@ -445,29 +436,14 @@ class RLRunner:
         denom = float(all_reduce_sum(count, [ps.dp_group]).clamp_min(1.0))
         model.train()
         report = {"is_mean": 0.0, "is_capped": 0.0}
-        nt = len(self.teachers)
-        mopd = {"rows": 0, "kl": torch.zeros(nt, dtype=torch.float64), "tokens": torch.zeros(nt, dtype=torch.float64)}
+        mopd = new_tally(len(self.teachers))
         with torch.no_grad(), rs.autocast():
             for i, mb in enumerate(mbs):
                 mb["logp_old"] = self._logp(model, mb)[0]
                 if self.ref_model is not None:
                     mb["logp_ref"] = self._logp(self.ref_model, mb)[0]
                 if self.teachers:  # MOPD: per-token rewards are the advantages, each row's from its own teacher
-                    rows = mine[i * M:(i + 1) * M]
-                    which = [self.teacher_of(r) for r in rows] + [-1] * (mb["mask"].shape[0] - len(rows))
-                    T = mb["mask"].shape[1]
-
-                    def sub(idx, rows=rows, T=T):
-                        b = response_batch([rows[j] for j in idx], self.tokenizer.pad_id, shard, 0, T)
-                        return {k: (v if k == "cu_seqlens" else v.to(dev)) for k, v in b.items()}
-
-                    t_BT, fwd, kl, kt = teacher_logprobs(lambda m, b: self._logp(m, b)[0], self.teachers, which, sub,
-                                                         mb["logp_old"], mb["mask"])
-                    mopd["rows"] += fwd
-                    mopd["kl"] += kl
-                    mopd["tokens"] += kt
-                    mb["adv"] = mopd_rewards(mb["logp_old"], t_BT.unsqueeze(0), torch.zeros(len(which), dtype=torch.long,
-                                             device=dev), rl.mopd_r_max) * mb["mask"]
+                    mb["adv"] = distil_advantages(self, mb, mine[i * M:(i + 1) * M], shard, mopd)
         ntok = sum(float(mb["mask"].sum()) for mb in mbs)
         sums = torch.zeros(4, dtype=torch.float64, device=dev)  # loss, clipped tokens, kl, tokens
         biases = [m.gate.e_score_correction_bias for m in model.moe_layers()]
@@ -490,6 +466,7 @@ class RLRunner:
         out = rs.apply(self.version, rl.iterations)
         tok = max(float(sums[3]), 1.0)
         if self.teachers:  # teacher row-forwards of this rank, KL to each teacher over the data-parallel group
+            nt = len(self.teachers)
             st = all_reduce_sum(torch.cat([mopd["kl"], mopd["tokens"]]).to(dev), [ps.dp_group]).cpu()
             report["teacher_rows"] = mopd["rows"]
             report.update(kl_report(self.teacher_tags, st[:nt], st[nt:]))

@@ -154,3 +154,21 @@ def load_reward(spec: str, tokenizer, probe: Prompt) -> Callable:
 def metadata(task: str, effort: str, answer, prompt_ids, token_ids) -> dict:
     return {"task": task, "effort": effort, "answer": answer, "prompt_ids": list(prompt_ids),
             "token_ids": list(token_ids)}
+
+
+def score_with(fn: Callable, spec: str, tokenizer, samples) -> None:
+    """Set ``reward`` of every rollout in ``samples`` from one batched call of the user's function."""
+    if not samples:
+        return
+    vals = call_reward(fn, spec, [tokenizer.decode(r.prompt_ids) for r in samples], [r.text for r in samples],
+                       [metadata(r.task, r.effort, r.answer, r.prompt_ids, r.token_ids) for r in samples])
+    for r, v in zip(samples, vals):
+        r.reward = v
+
+
+def rewards_by_tag(groups, R_GK) -> dict:
+    """``{"reward_TAG": mean reward of the samples of that tag}`` over the groups of an update."""
+    by: dict = {}
+    for g, row in zip(groups, R_GK.tolist()):
+        by.setdefault(tag(g[0].task, g[0].effort), []).extend(row)
+    return {f"reward_{t}": sum(v) / len(v) for t, v in sorted(by.items())}

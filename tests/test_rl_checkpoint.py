@@ -89,7 +89,7 @@ class _Planted:
         return os.system, (f"touch {self.marker}",)
 
 
-@pytest.mark.parametrize("target", ["rl_rank0.pt", "state.pt", "objects", "rl_buffer.json"])
+@pytest.mark.parametrize("target", ["rl_rank0.pt", "state.pt", "objects", "rl_buffer.json", "finished.jsonl"])
 def test_planted_pickle_is_refused_and_never_runs(straight, tmp_path, target):
     import shutil
 
@@ -102,6 +102,9 @@ def test_planted_pickle_is_refused_and_never_runs(straight, tmp_path, target):
     if target in ("state.pt", "objects"):  # inside the checkpoint: manifest hashes fixed to match
         ckpt = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
         _plant(ckpt, "state.pt" if target == "state.pt" else "shard_00000.obj.pt", marker)
+    elif target == "finished.jsonl":  # a pickle in front of the journal's lines
+        torch.save({"payload": _Planted(marker)}, tmp_path / "p.pt")
+        (run / target).write_bytes((tmp_path / "p.pt").read_bytes() + b"\n" + (run / target).read_bytes())
     else:
         torch.save({"payload": _Planted(marker)}, run / target)
     runner = make_runner(root / "cache")

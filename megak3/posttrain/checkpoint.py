@@ -18,7 +18,8 @@ samples as token lists with their logprobs, versions and budgets), the history, 
 
 Restore (:meth:`RLCheckpoint.restore`): the newest complete checkpoint (``train.resume=auto``) or a named one;
 then ``rl_buffer.json`` when it is of the restored version and the same or a later journal offset; then every
-journal line after that offset is replayed into the buffer. A sample finished before a kill is therefore in
+journal line after that offset is replayed into the buffer (a last line a kill cut short is skipped, any other
+line that is not a journaled sample is refused in one line). A sample finished before a kill is therefore in
 the restored buffer or was trained on by the restored policy. With synchronous rollouts
 (``rl.partial_fraction=1``) and a kill after a save, the rerun is exact (same samples, losses and weights): the
 buffer is empty at every save. Paused samples (partial rollouts) continue from their token lists by prefill
@@ -200,15 +201,20 @@ class RLCheckpoint:
             rn.buffer.load_state_dict(buf)
         if self.journal_path.exists():
             with open(self.journal_path, "rb") as f:
-                for n, line in enumerate(f):
-                    if n < offset:
-                        continue
-                    try:
-                        d = json.loads(line.decode("utf-8"))
-                    except (UnicodeDecodeError, json.JSONDecodeError):  # a line a kill cut short: not finished
+                lines = f.read().split(b"\n")
+            for n, line in enumerate(lines):  # every line is checked; those after the offset are replayed
+                if not line:
+                    continue
+                try:
+                    d = json.loads(line.decode("utf-8"))
+                    r = Rollout(**d)
+                except (UnicodeDecodeError, json.JSONDecodeError, TypeError):
+                    if n == len(lines) - 1:  # the last line, cut short by a kill: its sample had not finished
                         break
-                    if int(d["uid"]) in rn.buffer.rollouts:
-                        rn.buffer.rollouts[int(d["uid"])] = Rollout(**d)
+                    raise ValueError(f"{self.journal_path}: line {n + 1} is not a journaled sample (refused; nothing "
+                                     "in it was run); remove the file or start a new train.run_dir") from None
+                if n >= offset and r.uid in rn.buffer.rollouts:
+                    rn.buffer.rollouts[r.uid] = r
         self.journal_lines = self._count_lines()
         rn.load_extra_state(extra)
         rn.skip_prompts(used)

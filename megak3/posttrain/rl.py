@@ -3,19 +3,22 @@ a policy update through the production :class:`megak3.train.step.RankStep` -> we
 
 One iteration (:meth:`RLRunner.iteration`):
 
-1. New prompts join the buffer as groups of K samples (each with response budget ``rl.max_tokens``) until it
-   holds N groups: groups carried over from the last iteration (some sample unfinished) count towards N.
+1. New prompts (of ``rl.task``, or the mixture ``rl.tasks``: megak3/posttrain/tasks.py, each sample tagged with
+   its task and effort) join the buffer as groups of K samples (each with response budget ``rl.max_tokens``)
+   until it holds N groups: groups carried over from the last iteration (some sample unfinished) count towards N.
 2. Generation (:class:`~megak3.posttrain.rollout.PartialRollouts`): paused samples first, then the new
    ones, until ``ceil(lambda * N * K)`` samples of the buffer are finished and at least one group has all K
    finished; the rest pause with their caches and continue next iteration under the new weights
    (``rl.partial_fraction = 1``: synchronous).
-3. Rewards of the finished samples: the exact answer (rewards.exact_answer), then the effort override
+3. Rewards of the finished samples: the exact answer (rewards.exact_answer) or the user's ``rl.reward``
+   function (one batched call), then the effort override
    when ``rl.effort_tau > 0`` (budget b0: ``rl.effort_budget`` tokens). ``rl.shuffle_rewards`` permutes the
    rewards across the update's samples (the control run: the reward no longer says anything about the sample).
 4. Groups whose K samples are all finished are trained on: advantages per group, the learner's logprobs
    of every response token at the start of the update (``logp_old``), per-token staleness weights against the
    behaviour logprobs the engine recorded, the clipped loss (objective.py), ``RankStep.apply`` (ZeRO-1 reduce,
-   global-norm clip, Muon/AdamW, QB bias update).
+   global-norm clip, Muon/AdamW, QB bias update). With ``rl.mopd_teachers`` the per-token advantages are
+   MOPD's, each row's from the teacher of its tag (megak3/posttrain/mopd.py).
 5. The policy version goes up by one and the engine's model is refit from the trainer's in memory.
 
 Layouts: one process, data parallelism (each rank trains its contiguous slice of the update's samples; the

@@ -144,19 +144,19 @@ def new_tally(n: int) -> dict:
     return {"rows": 0, "kl": torch.zeros(n, dtype=torch.float64), "tokens": torch.zeros(n, dtype=torch.float64)}
 
 
-def distil_advantages(runner, mb: dict, rows: list, shard: int, tally: dict) -> torch.Tensor:
+def distil_advantages(runner, mb: dict, rows: list, make_batch, tally: dict) -> torch.Tensor:
     """MOPD advantages of one micro-batch of ``runner``'s update: per token
     ``clip(log pi_teacher - log pi_theta, -R_max, R_max)`` (rewards.mopd_rewards) with each row's own teacher
-    (``runner.teacher_of``), the rows of each teacher in one forward; adds to ``tally``."""
+    (``runner.teacher_of``), the rows of each teacher in one forward; adds to ``tally``. ``make_batch(rollouts,
+    T)``: the micro-batch of those rollouts at length T (rl.response_batch)."""
     from .rewards import mopd_rewards
-    from .rl import response_batch
 
     B, T = mb["mask"].shape
     dev = mb["mask"].device
     which = [runner.teacher_of(r) for r in rows] + [-1] * (B - len(rows))
 
     def batch(idx):
-        b = response_batch([rows[j] for j in idx], runner.tokenizer.pad_id, shard, 0, T)
+        b = make_batch([rows[j] for j in idx], T)
         return {k: (v if k == "cu_seqlens" else v.to(dev)) for k, v in b.items()}
 
     t_BT, fwd, kl, ntok = teacher_logprobs(lambda m, b: runner._logp(m, b)[0], runner.teachers, which, batch,

@@ -134,8 +134,6 @@ class RLConfig:
         from ..data.demo_sft import FAMILIES
 
         need(self.task in FAMILIES, "task", f"must be one of {', '.join(FAMILIES)}")
-        from .tasks import parse_tasks
-
         parse_tasks(self.tasks, self.task)
         mod, _, fn = self.reward.partition(":")
         need(not self.reward or (mod and fn), "reward", "must be module:function, e.g. rl.reward=my_rewards:score")
@@ -446,7 +444,8 @@ class RLRunner:
                 if self.ref_model is not None:
                     mb["logp_ref"] = self._logp(self.ref_model, mb)[0]
                 if self.teachers:  # MOPD: per-token rewards are the advantages, each row's from its own teacher
-                    mb["adv"] = distil_advantages(self, mb, mine[i * M:(i + 1) * M], shard, mopd)
+                    mb["adv"] = distil_advantages(self, mb, mine[i * M:(i + 1) * M], lambda part, T: response_batch(
+                        part, self.tokenizer.pad_id, shard, 0, T), mopd)
         ntok = sum(float(mb["mask"].sum()) for mb in mbs)
         sums = torch.zeros(4, dtype=torch.float64, device=dev)  # loss, clipped tokens, kl, tokens
         biases = [m.gate.e_score_correction_bias for m in model.moe_layers()]

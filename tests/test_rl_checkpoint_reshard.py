@@ -1,5 +1,6 @@
 """An RL checkpoint is reshardable: saved by one process (policy, optimizer, KL reference, RL state), resumed at
-tp2 and at dp2 on gloo ranks, the next update equals the one-process continuation (loss and grad norm <= 1e-4)."""
+tp2 and at dp2 on gloo ranks, the next updates equal the one-process continuation (loss and grad norm <= 1e-4);
+saved again by those ranks, it loads as one process with the one-process continuation's weights."""
 import shutil
 
 import pytest
@@ -42,6 +43,11 @@ def _continue(rank, world, tp, run_dir, tok_path, steps=2):
         rec = runner.update(samples, adv)
         runner.version += 1
         out.append((rec["loss"], rec["grad_norm"]))
+    if steps:
+        if world > 1:
+            runner.state.after_update()  # the last version: every rank writes its shards, rank 0 commits
+        else:
+            out.append({k: v.clone() for k, v in runner.model.state_dict().items()})
     return out
 
 
@@ -66,12 +72,14 @@ def saved(tmp_path_factory):
     runner.state.after_update()
     ref = _continue(0, 1, 1, str(root / "run"), tok_path)
     assert ref[:2] == [True, 1] and ref[2][0] != first["loss"]  # it went on from the saved policy
-    return root, tok_path, ref
+    return root, tok_path, ref[:-1], ref[-1]
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
 def test_rl_checkpoint_resumes_at_another_layout(saved, tmp_path, tp):
-    root, tok_path, ref = saved
+    from megak3.inference import Engine
+
+    root, tok_path, ref, weights = saved
     run = tmp_path / "run"
     shutil.copytree(root / "run", run)
     got = run_distributed(_continue, 2, tp, str(run), tok_path, timeout_s=300)
@@ -80,3 +88,7 @@ def test_rl_checkpoint_resumes_at_another_layout(saved, tmp_path, tp):
         for (l1, g1), (l2, g2) in zip(ref[2:], r[2:]):
             assert abs(l1 - l2) <= 1e-4 and abs(g1 - g2) <= 1e-4, (ref, r)
     assert ref[2] != ref[3]  # the policy moved
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+    loaded = Engine.from_pretrained(str(run)).model.state_dict()
+    gap = max(float((loaded[k] - v).abs().max()) for k, v in weights.items())
+    assert gap <= 1e-5, gap

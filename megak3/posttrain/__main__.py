@@ -7,6 +7,10 @@
 ``--init-from``: a megak3 run / checkpoint directory (any layout) or a Hugging Face directory; the model
 config, quantisation and tokenizer come from it. ``rl.FIELD=VALUE`` / ``rl.loss.FIELD=VALUE`` set
 :class:`megak3.posttrain.rl.RLConfig` fields, ``optim.FIELD=VALUE`` the optimizer (Muon by default).
+``train.run_dir=RUN`` keeps the run (megak3/posttrain/checkpoint.py): a megak3 checkpoint every
+``train.save_interval`` policy versions and at the last (``train.keep_last`` kept), which ``python -m
+megak3.generate --checkpoint RUN``, ``--init-from RUN`` and ``rl.mopd_teachers`` read; ``train.resume=auto``
+continues from the newest one (a run directory of the older ``rl_rank*.pt`` format is refused, exit 2).
 Before and after the run the greedy exact-answer accuracy on ``--eval-prompts`` held-out prompts of the
 task is measured; the line ``reward: a -> b`` compares the mean training reward of the first and the last
 ``--window`` iterations. With ``rl.env=FAMILY`` (megak3/posttrain/agentic.py) every sample is a multi-turn
@@ -21,6 +25,7 @@ import dataclasses
 import itertools
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -56,7 +61,11 @@ def accuracy(engine, tokenizer, task: str, n: int) -> float:
     return sum(exact_answer(o.text, a) for o, (_, a) in zip(outs, pairs)) / n
 
 
-def run(args, rl_over, optim_over, shuffle: bool) -> dict:
+TRAIN_FIELDS = ("run_dir", "save_interval", "keep_last", "resume")
+"""the ``train.*`` fields an RL run takes (the trainer's names and meanings)"""
+
+
+def run(args, rl_over, optim_over, shuffle: bool, train_over=()) -> dict:
     from megak3.inference import Engine
     from megak3.optim.config import OptimConfig
     from megak3.posttrain.rl import RLConfig, RLRunner
@@ -76,25 +85,60 @@ def run(args, rl_over, optim_over, shuffle: bool) -> dict:
     from megak3.data.config import DataConfig
 
     mcfg = src.model.config
+    train = TrainConfig(max_steps=rl.iterations, global_batch_size=1, micro_batch_size=1, seed=rl.seed)
+    for k, v in train_over:
+        _set(train, k, v, "train.")
+    if shuffle and train.run_dir:  # the control keeps its own run directory inside the run's
+        train.run_dir = str(Path(train.run_dir) / "control")
     job = JobConfig(model=mcfg, optim=optim, quant=src.load_info["quant"],
                     data=DataConfig(vocab_size=max(260, min(8192, mcfg.vocab_size))),  # unused by RL
-                    train=TrainConfig(max_steps=rl.iterations, global_batch_size=1, micro_batch_size=1,
-                                      seed=rl.seed))
+                    train=train)
     job.validate()
     if rl.env:
         return run_agentic(args, job, rl, src.tokenizer)
     runner = RLRunner(job, rl, src.tokenizer, init_from=args.init_from)
-    before = accuracy(runner.engine, src.tokenizer, rl.task, args.eval_prompts)
+    resumed = keep(runner, job.train)
+    tasks = sorted({t.name for t in runner.task_specs})
+    before = {t: accuracy(runner.engine, src.tokenizer, t, args.eval_prompts) for t in tasks}
     t0 = time.time()
     tag = "control" if rl.shuffle_rewards else "rl"
     runner.fit(log=(lambda s: print(f"[{tag}] {s}", flush=True)) if args.verbose else None)
-    after = accuracy(runner.engine, src.tokenizer, rl.task, args.eval_prompts)
-    rewards = [h["reward"] for h in runner.history if "reward" in h]
-    w = min(args.window, len(rewards))
-    a, b = sum(rewards[:w]) / w, sum(rewards[-w:]) / w
+    after = {t: accuracy(runner.engine, src.tokenizer, t, args.eval_prompts) for t in tasks}
+    a, b, w = first_last(runner.history, "reward", args.window)
+    acc = ", ".join(f"{t} {before[t]:.3f} -> {after[t]:.3f}" for t in tasks)
     print(f"[{tag}] reward: {a:.3f} -> {b:.3f} (mean of the first/last {w} iterations); greedy accuracy on "
-          f"{args.eval_prompts} held-out prompts: {before:.3f} -> {after:.3f}; {time.time() - t0:.0f} s", flush=True)
+          f"{args.eval_prompts} held-out prompts: {acc}; {time.time() - t0:.0f} s", flush=True)
+    domains = sorted({k for h in runner.history for k in h if k.startswith(("reward_", "kl_"))})
+    if domains:  # per domain: the mean reward of its samples and the KL to its teacher (MOPD), first/last window
+        parts = []
+        for k in domains:
+            x, y, _ = first_last(runner.history, k, args.window)
+            what = f"KL to teacher {k[3:]}" if k.startswith("kl_") else f"reward {k[7:]}"
+            parts.append(f"{what} {x:.3f} -> {y:.3f}")
+        print(f"[{tag}] by domain: {'; '.join(parts)}", flush=True)
+    if job.train.run_dir:
+        print(f"[{tag}] policy version {runner.version} saved in {job.train.run_dir} (megak3 checkpoint"
+              f"{'; resumed at version ' + str(resumed) if resumed is not None else ''})", flush=True)
     return {"reward_first": a, "reward_last": b, "acc_before": before, "acc_after": after}
+
+
+def first_last(history, key: str, window: int):
+    """(mean of ``key`` over the first ``window`` records that have it, over the last ``window``, window)."""
+    vals = [h[key] for h in history if key in h]
+    w = max(min(window, len(vals)), 1)
+    return (sum(vals[:w]) / w, sum(vals[-w:]) / w, w) if vals else (float("nan"), float("nan"), 0)
+
+
+def keep(runner, train) -> "int | None":
+    """With ``train.run_dir``: checkpoint the run there and restore per ``train.resume``; returns the
+    version resumed at (None: a fresh start)."""
+    if not train.run_dir:
+        if train.resume != "none":
+            raise ValueError(f"train.resume={train.resume} needs train.run_dir=RUN (where the checkpoints are)")
+        return None
+    if runner.resumable(train.run_dir, train.save_interval, train.resume, train.keep_last):
+        return runner.version
+    return None
 
 
 def run_agentic(args, job, rl, tokenizer) -> dict:
@@ -105,6 +149,7 @@ def run_agentic(args, job, rl, tokenizer) -> dict:
     cycle = itertools.cycle(args.budgets) if args.budgets else None
     budgets = (lambda: [next(cycle)] * rl.group_size) if cycle else None
     with AgentRunner(job, rl, tokenizer, init_from=args.init_from, budgets=budgets) as runner:
+        keep(runner, job.train)
         update = runner.update
 
         def count(samples, adv):
@@ -135,17 +180,21 @@ def main(argv=None) -> int:
     ap.add_argument("--verbose", action="store_true", help="one line per iteration")
     ap.add_argument("--budgets", default="", help="with rl.env: trajectory budgets in tokens, cycled over new "
                     "groups, e.g. 10,400 (episodes of different lengths; default: rl.episode_tokens for all)")
-    ap.add_argument("overrides", nargs="*", help="rl.FIELD=VALUE, rl.loss.FIELD=VALUE, optim.FIELD=VALUE")
+    ap.add_argument("overrides", nargs="*", help="rl.FIELD=VALUE, rl.loss.FIELD=VALUE, optim.FIELD=VALUE, "
+                    "train.run_dir=RUN, train.save_interval=N, train.keep_last=N, train.resume=auto|none|CKPT")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        rl_over, optim_over = [], []
+        rl_over, optim_over, train_over = [], [], []
         for o in args.overrides:
-            if "=" not in o or not o.startswith(("rl.", "optim.")):
-                raise ValueError(f"{o}: overrides are rl.FIELD=VALUE or optim.FIELD=VALUE")
+            if "=" not in o or not o.startswith(("rl.", "optim.", "train.")):
+                raise ValueError(f"{o}: overrides are rl.FIELD=VALUE, optim.FIELD=VALUE or train.FIELD=VALUE "
+                                 f"(train.{', train.'.join(TRAIN_FIELDS)})")
             k, v = o.split("=", 1)
-            (rl_over if k.startswith("rl.") else optim_over).append((k.split(".", 1)[1], v))
+            if k.startswith("train.") and k.split(".", 1)[1] not in TRAIN_FIELDS:
+                raise ValueError(f"{k}: an RL run takes train.{', train.'.join(TRAIN_FIELDS)}")
+            {"rl": rl_over, "optim": optim_over, "train": train_over}[k.split(".", 1)[0]].append((k.split(".", 1)[1], v))
         try:
             args.budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
         except ValueError:
@@ -154,9 +203,9 @@ def main(argv=None) -> int:
             raise ValueError("--budgets must be comma-separated integers >= 1, e.g. 10,400")
         if args.eval_prompts < 1:
             raise ValueError(f"--eval-prompts={args.eval_prompts} must be >= 1")
-        run(args, rl_over, optim_over, shuffle=False)
+        run(args, rl_over, optim_over, shuffle=False, train_over=train_over)
         if args.control:
-            run(args, rl_over, optim_over, shuffle=True)
+            run(args, rl_over, optim_over, shuffle=True, train_over=train_over)
     except ValueError as e:  # InferenceError, config errors: one line
         print(f"error: {e}", file=sys.stderr)
         return 2

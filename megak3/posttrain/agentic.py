@@ -28,16 +28,27 @@ their sandboxes kept by the ``EpisodeDriver``, and are played first next iterati
 weights. A paused episode's sandbox digest (``EnvPool.digest``) is taken at the pause and checked at
 the resume; a change raises ``RuntimeError``. Each iteration's record adds ``episodes_resumed`` (paused
 episodes whose digests were checked), ``turns`` (rounds of one turn per unfinished episode) and
-``prefix_hit_tokens`` (prompt tokens the engine's prefix cache served instead of prefilling). Not yet resumable after kill -9 (``resumable`` raises).
+``prefix_hit_tokens`` (prompt tokens the engine's prefix cache served instead of prefilling).
+
+Resumable after kill -9 (:meth:`AgentRunner.resumable`, megak3/posttrain/checkpoint.py): the RL checkpoint
+also holds the driver's state (transcripts and results of the episodes in the buffer), each live sandbox's
+last snapshot id (``EnvPool.checkpoint``; the snapshots are kept in ``RUN_DIR/env_store``), the paused
+episodes' digests and the task and turn counters. A resumed run brings every sandbox back from its snapshot
+(``EnvPool.fork`` into a pool on that store) and checks its digest against the one taken at the pause before
+playing on. Episodes are checkpointed with the update, not journaled: whatever happened after the last
+checkpoint (turns, finished episodes, an update) is played again from that checkpoint's state, with the same
+episode uids and sampling seeds, so no episode is lost or trained twice.
 """
 from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from typing import Dict, List, Optional
 
 from ..data.chat import generation_prompt
 from ..envs.driver import EpisodeDriver, Transcript
+from ..envs.env import StepResult
 from ..envs.pool import EnvPool
 from ..envs.tasks import make_task
 from .buffer import Rollout
@@ -75,9 +86,43 @@ class AgentRunner(RLRunner):
         self.tasks_used = 0
         self._turn_uid = 0
 
-    def resumable(self, run_dir) -> bool:
-        raise ValueError("rl.env: agentic RL runs are not resumable yet (the RL checkpoint does not hold the "
-                         "EpisodeDriver's state); run without a resumable run directory")
+    def resumable(self, run_dir, save_interval: int = 1, resume: str = "auto", keep_last: int = 2) -> bool:
+        """:meth:`RLRunner.resumable` with the episodes (module docstring). Call it before the first iteration;
+        a pool passed to the constructor must keep its snapshots in a store that outlives the run."""
+        if self.driver.transcripts:
+            raise ValueError("AgentRunner.resumable: call it before the first iteration")
+        if self.own_pool:  # sandbox snapshots in the run directory, beside the checkpoints that name them
+            self.pool.shutdown()
+            self.pool = EnvPool(self.rl.env_workers, store_dir=str(Path(run_dir).resolve() / "env_store"))
+            self.driver = EpisodeDriver(self.pool)
+        restored = super().resumable(run_dir, save_interval, resume, keep_last)
+        self.sampler.on_finish = None  # turns are not samples of the buffer; episodes live in the checkpoint
+        return restored
+
+    def extra_state(self) -> dict:
+        live = {eid: r.uid for eid, r in self.episodes.items() if r.uid in self.buffer.rollouts}
+        drv = self.driver.state_dict()
+        return {"episodes": live, "paused": dict(self.paused), "tasks_used": self.tasks_used,
+                "turn_uid": self._turn_uid, "sandboxes": drv["pool"],
+                "transcripts": {e: t for e, t in drv["transcripts"].items() if e in live},
+                "results": {e: t for e, t in drv["results"].items() if e in live}}
+
+    def load_extra_state(self, state: dict) -> None:
+        if not state:
+            return
+        sandboxes = state["sandboxes"]
+        if sandboxes["store"] != self.pool.store_dir:  # compared, never followed
+            raise ValueError(f"the checkpoint's sandboxes are in the snapshot store {sandboxes['store']}, this run's "
+                             f"pool uses {self.pool.store_dir}; resume with a pool on the same store_dir")
+        for eid, snap in sandboxes["episodes"].items():
+            self.pool.fork(eid, eid, snap)
+        drv = EpisodeDriver(self.pool)
+        drv.transcripts = {e: [tuple(t) for t in ts] for e, ts in state["transcripts"].items()}
+        drv.results = {e: StepResult(*r) for e, r in state["results"].items()}
+        self.driver = drv
+        self.episodes = {eid: self.buffer.rollouts[int(uid)] for eid, uid in state["episodes"].items()}
+        self.paused = dict(state["paused"])
+        self.tasks_used, self._turn_uid = int(state["tasks_used"]), int(state["turn_uid"])
 
     def close(self) -> None:
         if self.own_pool:
@@ -97,7 +142,7 @@ class AgentRunner(RLRunner):
             spec["max_turns"] = rl.max_turns
         self.tasks_used += 1
         group = self.buffer.add_prompt([], self.budgets() if self.budgets else rl.episode_tokens,
-                                       make_task(spec).answer)
+                                       make_task(spec).answer, task=rl.env)
         for r in group:
             eid = f"ep{r.uid}"
             obs = self.driver.start(eid, spec)

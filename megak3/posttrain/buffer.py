@@ -38,6 +38,10 @@ class Rollout:
     finish_reason: str = ""
     text: str = ""
     reward: Optional[float] = None
+    task: str = ""
+    """the task (domain) of its prompt (megak3/posttrain/tasks.py)"""
+    effort: str = ""
+    """the effort label of its prompt ('' : none)"""
 
     @property
     def remaining(self) -> int:
@@ -82,8 +86,9 @@ class RolloutBuffer:
         self._next_group = 0
 
     def add_prompt(self, prompt_ids: List[int], budget: Union[int, Sequence[int]],
-                   answer: Optional[str] = None) -> List[Rollout]:
-        """K new samples of one prompt (one group) with response budget ``budget`` (or one per sample)."""
+                   answer: Optional[str] = None, task: str = "", effort: str = "") -> List[Rollout]:
+        """K new samples of one prompt (one group) with response budget ``budget`` (or one per sample),
+        tagged with the prompt's ``task`` and ``effort``."""
         g = self._next_group
         self._next_group += 1
         budgets = [int(budget)] * self.K if isinstance(budget, int) else [int(b) for b in budget]
@@ -91,7 +96,7 @@ class RolloutBuffer:
             raise ValueError(f"{len(budgets)} budgets for a group of {self.K}")
         out = []
         for b in budgets:
-            r = Rollout(self._next_uid, g, list(prompt_ids), b, answer)
+            r = Rollout(self._next_uid, g, list(prompt_ids), b, answer, task=task, effort=effort)
             self.rollouts[r.uid] = r
             self._next_uid += 1
             out.append(r)

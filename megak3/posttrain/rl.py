@@ -3,20 +3,23 @@ a policy update through the production :class:`megak3.train.step.RankStep` -> we
 
 One iteration (:meth:`RLRunner.iteration`):
 
-1. New prompts join the buffer as groups of K samples (each with response budget ``rl.max_tokens``) until it
-   holds N groups: groups carried over from the last iteration (some sample unfinished) count towards N.
+1. New prompts (of ``rl.task``, or the mixture ``rl.tasks``: megak3/posttrain/tasks.py, each sample tagged with
+   its task and effort) join the buffer as groups of K samples (each with response budget ``rl.max_tokens``)
+   until it holds N groups: groups carried over from the last iteration (some sample unfinished) count towards N.
 2. Generation (:class:`~megak3.posttrain.rollout.PartialRollouts` on each engine replica, each GRPO group on
    the replica the cache-affine router picks, :class:`~megak3.posttrain.engines.ReplicaRollouts`): paused samples first, then the new
    ones, until ``ceil(lambda * N * K)`` samples of the buffer are finished and at least one group has all K
    finished; the rest pause with their caches and continue next iteration under the new weights
    (``rl.partial_fraction = 1``: synchronous).
-3. Rewards of the finished samples: the exact answer (rewards.exact_answer), then the effort override
+3. Rewards of the finished samples: the exact answer (rewards.exact_answer) or the user's ``rl.reward``
+   function (one batched call), then the effort override
    when ``rl.effort_tau > 0`` (budget b0: ``rl.effort_budget`` tokens). ``rl.shuffle_rewards`` permutes the
    rewards across the update's samples (the control run: the reward no longer says anything about the sample).
 4. Groups whose K samples are all finished are trained on: advantages per group, the learner's logprobs
    of every response token at the start of the update (``logp_old``), per-token staleness weights against the
    behaviour logprobs the engine recorded, the clipped loss (objective.py), ``RankStep.apply`` (ZeRO-1 reduce,
-   global-norm clip, Muon/AdamW, QB bias update).
+   global-norm clip, Muon/AdamW, QB bias update). With ``rl.mopd_teachers`` the per-token advantages are
+   MOPD's, each row's from the teacher of its tag (megak3/posttrain/mopd.py).
 5. The policy version goes up by one and the engine's model is refit from the trainer's in memory.
 
 Layouts: the trainer runs at any layout pretraining supports (megak3/posttrain/update.py): data, tensor
@@ -33,14 +36,13 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
 from parallel.plan import canonical_name
 from parallel.state import ParallelState
 
-from ..data.chat import generation_prompt
 from ..inference import Engine, SamplingParams
 from ..model.k3 import build_model
 from ..quant import apply_quantization
@@ -48,10 +50,12 @@ from ..job.config import JobConfig
 from ..train.step import RankStep
 from .buffer import Rollout, RolloutBuffer
 from .engines import ReplicaRollouts, RolloutConfig, release_weights, replica_groups, restore_weights
+from .mopd import load_teachers, route
 from .objective import LossConfig, group_advantages, token_logprobs
 from .rewards import effort_override, exact_answer
 from .refit import ReshardPlan
 from .rollout import PartialRollouts
+from .tasks import load_reward, parse_tasks, prompt_stream, rewards_by_tag, score_with, tag
 from .update import policy_update, response_batch  # noqa: F401  (response_batch: part of this module's API)
 
 
@@ -75,7 +79,13 @@ class RLConfig:
     micro_batch_size: int = 16
     """rollouts per forward/backward of the update"""
     task: str = "add"
-    """the verifiable demo task family (megak3/data/demo_sft.py FAMILIES)"""
+    """the verifiable demo task family (megak3/data/demo_sft.py FAMILIES) when rl.tasks is empty"""
+    tasks: str = ""
+    """a prompt mixture NAME[@EFFORT][:WEIGHT],... (megak3/posttrain/tasks.py), e.g. add:0.5,reverse:0.5; every
+    sample is tagged with its task and effort (empty: rl.task alone)"""
+    reward: str = ""
+    """module:function, a batched reward (prompts, completions, metadata) -> floats used instead of the exact
+    answer (megak3/posttrain/tasks.py; empty: the exact answer)"""
     shuffle_rewards: bool = False
     """control: permute the rewards across the update's samples"""
     effort_tau: float = 0.0
@@ -85,9 +95,10 @@ class RLConfig:
     seed: int = 0
     """prompt order and sampling seeds"""
     mopd_teachers: str = ""
-    """MOPD: comma-separated teacher checkpoints (megak3 or Hugging Face); the advantage of every response
-    token becomes clip(log pi_teacher - log pi_theta, -mopd_r_max, mopd_r_max), the rollouts of group g
-    distilled from teacher g mod M (empty: the task reward and group advantages)"""
+    """MOPD: TAG=PATH,... teacher checkpoints (megak3 or Hugging Face) by sample tag, or one untagged PATH for
+    every sample (megak3/posttrain/mopd.py); the advantage of every response token becomes
+    clip(log pi_teacher - log pi_theta, -mopd_r_max, mopd_r_max) with the teacher of the sample's own tag
+    (empty: the task reward and group advantages)"""
     mopd_r_max: float = 1.0
     """R_max of the MOPD per-token reward"""
     ignore_eos: bool = False
@@ -124,6 +135,9 @@ class RLConfig:
         from ..data.demo_sft import FAMILIES
 
         need(self.task in FAMILIES, "task", f"must be one of {', '.join(FAMILIES)}")
+        parse_tasks(self.tasks, self.task)
+        mod, _, fn = self.reward.partition(":")
+        need(not self.reward or (mod and fn), "reward", "must be module:function, e.g. rl.reward=my_rewards:score")
         from ..envs.tasks import FAMILIES as ENV_FAMILIES
 
         need(self.env in ("",) + tuple(ENV_FAMILIES), "env", f"must be '' or one of {', '.join(ENV_FAMILIES)}")
@@ -181,14 +195,6 @@ def copy_weights(src: torch.nn.Module, dst: torch.nn.Module, plan=None) -> int:
     return n
 
 
-def prompt_stream(tokenizer, task: str, seed: int) -> Iterator[tuple]:
-    from ..data.demo_sft import rl_prompts
-
-    k = 0
-    while True:
-        for msgs, answer in rl_prompts(256, task, seed=seed * 1000 + k):
-            yield generation_prompt(tokenizer, msgs), answer
-        k += 1
 
 
 class RLRunner:
@@ -229,8 +235,16 @@ class RLRunner:
         self.last_refit: dict = {}
         """the last refit's ``seconds``, ``bytes_in`` (landed in this rank's engine), ``bytes_remote``,
         ``bytes_out``, ``shard_bytes`` (refit.py)"""
-        self.teachers = [Engine.from_pretrained(p.strip(), device=device).model
-                         for p in rl.mopd_teachers.split(",") if p.strip()]
+        self.task_specs = parse_tasks(rl.tasks, rl.task)
+        self.reward_fn = (load_reward(rl.reward, tokenizer, next(prompt_stream(tokenizer, self.task_specs, rl.seed)))
+                          if rl.reward else None)
+        # MOPD: checked against the student (tokenizer, vocabulary, special ids) before any rollout
+        found = load_teachers(rl.mopd_teachers, tokenizer, job.model.vocab_size, device) if rl.mopd_teachers else []
+        self.teachers = [t.model for t in found]
+        self.teacher_tags = [t.tag for t in found]
+        self.teacher_routes = route([rl.env] if rl.env else [t.tag for t in self.task_specs], found,
+                                    rl.mopd_teachers) if found else {}
+        """sample tag -> index of its teacher in ``teachers``"""
         self.budgets = budgets
         """callable -> K response budgets of a new group (default: rl.max_tokens each)"""
         self.version = 0
@@ -244,25 +258,33 @@ class RLRunner:
                                        leader=self.engine_ps is not None and self.engine_ps.rank == 0,
                                        sync=not (self.rollout.replicas == 1 and E == ps.world_size),
                                        checkpoint_interval=(engine_options or {}).get("checkpoint_interval", 512))
-        self.prompts = prompt_stream(tokenizer, rl.task, rl.seed)
+        self.prompts = prompt_stream(tokenizer, self.task_specs, rl.seed)
         self.prompts_used = 0
         self.state = None
-        """a :class:`~megak3.posttrain.resume.RLState` when the run is resumable (:meth:`resumable`)"""
+        """a :class:`~megak3.posttrain.checkpoint.RLCheckpoint` when the run is resumable (:meth:`resumable`)"""
         self._rng = random.Random(rl.seed)
         self.history: List[dict] = []
 
-    def resumable(self, run_dir) -> bool:
-        """Save state to ``run_dir`` from now on (megak3/posttrain/resume.py); restore what it holds.
-        Returns True when a previous run's state was restored."""
-        from .resume import RLState
+    def resumable(self, run_dir, save_interval: int = 1, resume: str = "auto", keep_last: int = 2) -> bool:
+        """Checkpoint the run under ``run_dir`` from now on (megak3/posttrain/checkpoint.py: every
+        ``save_interval`` versions and at the last; the journal of finished samples always) and restore
+        what ``resume`` names (``train.resume``: auto, none or a checkpoint). True when a state was restored."""
+        from .checkpoint import RLCheckpoint
 
-        self.state = RLState(self, run_dir)
+        self.state = RLCheckpoint(self, run_dir, save_interval, keep_last)
         self.sampler.on_finish = self.state.journal
-        return self.state.restore()
+        return self.state.restore(resume)
+
+    def extra_state(self) -> dict:
+        """More RL state for the checkpoint (plain data); a subclass adds its own."""
+        return {}
+
+    def load_extra_state(self, state: dict) -> None:
+        """Restore what :meth:`extra_state` returned."""
 
     def skip_prompts(self, n: int) -> None:
         """Continue the prompt stream after its first ``n`` prompts (a restored run)."""
-        self.prompts = prompt_stream(self.tokenizer, self.rl.task, self.rl.seed)
+        self.prompts = prompt_stream(self.tokenizer, self.task_specs, self.rl.seed)
         for _ in range(n):
             next(self.prompts)
         self.prompts_used = n
@@ -290,9 +312,9 @@ class RLRunner:
     def generate(self) -> dict:
         rl = self.rl
         for _ in range(rl.prompts - self.buffer.num_groups()):  # the carried-over groups count towards N
-            ids, answer = next(self.prompts)
+            p = next(self.prompts)
             self.prompts_used += 1
-            self.buffer.add_prompt(ids, self.budgets() if self.budgets else rl.max_tokens, answer)
+            self.buffer.add_prompt(p.ids, self.budgets() if self.budgets else rl.max_tokens, p.answer, p.task, p.effort)
         if self.state is not None:
             self.state.save_buffer()
         target = math.ceil(rl.partial_fraction * rl.prompts * rl.group_size)
@@ -306,6 +328,8 @@ class RLRunner:
 
     def score(self, groups: List[List[Rollout]]) -> torch.Tensor:
         rl = self.rl
+        if self.reward_fn is not None:  # rl.reward: one batched call over the samples still unscored
+            score_with(self.reward_fn, rl.reward, self.tokenizer, [r for g in groups for r in g if r.reward is None])
         R = torch.tensor([[exact_answer(r.text, r.answer) if r.reward is None else r.reward for r in g]
                           for g in groups], dtype=torch.float64)
         if rl.effort_tau > 0:
@@ -325,6 +349,8 @@ class RLRunner:
             return rec
         R = self.score(groups)
         rec["reward"] = float(R.mean())
+        if len(self.task_specs) > 1:  # the mixture: the mean reward of each tag's samples
+            rec.update(rewards_by_tag(groups, R))
         train_R = R
         if self.rl.shuffle_rewards:
             flat = R.flatten()[torch.randperm(R.numel(), generator=torch.Generator().manual_seed(
@@ -344,7 +370,7 @@ class RLRunner:
         rec["uids"] = [r.uid for r in samples]
         self.history.append(rec)
         if self.state is not None:
-            self.state.save_policy()
+            self.state.after_update()
         return rec
 
     # ---------------------------------------------------------------------------------- update
@@ -366,6 +392,11 @@ class RLRunner:
         nll = vocab_parallel_cross_entropy(logits.reshape(-1, Vl).float(), targets.reshape(-1),
                                            self.ps.tp_group, reduction="none")
         return -nll.view(targets.shape)
+
+    def teacher_of(self, r: Rollout) -> int:
+        """Index of the teacher of sample ``r``: its tag's (rl.mopd_teachers), else its task's, else 0."""
+        t = tag(r.task, r.effort)
+        return self.teacher_routes.get(t, self.teacher_routes.get(r.task, 0))
 
     def update(self, samples: List[Rollout], adv_N: torch.Tensor) -> dict:
         """One optimizer step on ``samples`` (every rank passes the same list; each trains its slice) at the

@@ -31,6 +31,7 @@ from ..data.packing import IGNORE_INDEX
 from ..train.step import all_reduce_sum
 from .buffer import Rollout
 from .objective import policy_loss, staleness_weights
+from .mopd import kl_report, new_tally, tally_kl, teacher_logprobs
 from .rewards import mopd_rewards
 
 
@@ -130,6 +131,8 @@ def policy_update(runner, samples: List[Rollout], adv_N: torch.Tensor) -> dict:
     if ps.cp_size > 1 and runner.job.parallel.cp_balance:
         shard *= runner.job.parallel.cp_balance_split
     mbs = []
+    last_stage = ps.pp_size == 1 or ps.pp_rank == ps.pp_size - 1   # only the last stage computes the loss
+    mopd = new_tally(len(runner.teachers))
     for i, (rows, length) in enumerate(shapes(runner, samples, cuts)):
         part = mine[i * M:(i + 1) * M]
         mb = response_batch(part, runner.tokenizer.pad_id, shard, rows, length)
@@ -141,12 +144,14 @@ def policy_update(runner, samples: List[Rollout], adv_N: torch.Tensor) -> dict:
         mb["row_tokens"] = mb["mask"].sum(1)
         for k in ("targets", "mask", "behaviour"):
             mb[k + "_l"] = _segment(runner, mb[k])
-        if runner.teachers:  # MOPD: per-token rewards against each row's teacher (whole models, whole rows)
-            which = torch.zeros(mb["mask"].shape[0], dtype=torch.long)
-            which[:len(part)] = torch.tensor([r.group % len(runner.teachers) for r in part], dtype=torch.long)
+        if runner.teachers and last_stage:  # MOPD: each row scored by its own teacher only (whole rows)
+            which = [runner.teacher_of(r) for r in part] + [-1] * (mb["mask"].shape[0] - len(part))
             with torch.no_grad(), rs.autocast():
-                t_MNT = torch.stack([_segment(runner, runner._logp(t, mb)[0]) for t in runner.teachers])
-            mb["teacher"], mb["which"] = t_MNT, which.to(dev)
+                t_BT, fwd = teacher_logprobs(lambda m, b: runner._logp(m, b)[0], runner.teachers, which,
+                                             lambda idx: _rows_batch(runner, part, idx, mb, shard, dev),
+                                             mb["mask"].shape, dev)
+            mopd["rows"] += fwd
+            mb["teacher_lp"], mb["which"] = _segment(runner, t_BT), torch.tensor(which, device=dev)
         mbs.append(mb)
     agg = rl.loss.aggregation
     count = torch.tensor([float(sum(float(mb["mask"].sum()) for mb in mbs) if agg == "token" else len(mine))],
@@ -164,8 +169,10 @@ def policy_update(runner, samples: List[Rollout], adv_N: torch.Tensor) -> dict:
                                                  device=dev))
         if fresh.any():
             cur = torch.maximum(cur, (lp - mb["behaviour_l"]).abs()[fresh].max().double())
-        if "teacher" in mb:
-            mb["adv"] = mopd_rewards(lp, mb["teacher"], mb["which"], rl.mopd_r_max) * mb["mask_l"]
+        if "teacher_lp" in mb:
+            own = torch.zeros(lp.shape[0], dtype=torch.long, device=dev)   # teacher_lp holds each row's own
+            mb["adv"] = mopd_rewards(lp, mb["teacher_lp"].unsqueeze(0), own, rl.mopd_r_max) * mb["mask_l"]
+            tally_kl(mopd, lp, mb["teacher_lp"], mb["mask_l"], mb["which"])
         return zero
 
     def ref_head(i, logits):
@@ -202,11 +209,23 @@ def policy_update(runner, samples: List[Rollout], adv_N: torch.Tensor) -> dict:
     for g in (ps.dp_cp_group, ps.pp_group):
         if g is not None:
             dist.all_reduce(cur, op=dist.ReduceOp.MAX, group=g)
+    report = {}
+    if runner.teachers:  # teacher row-forwards of this rank; KL to each teacher over the data x context ranks
+        nt = len(runner.teachers)
+        st = all_reduce_sum(torch.cat([mopd["kl"], mopd["tokens"]]).to(dev), [ps.dp_cp_group, ps.pp_group]).cpu()
+        report["teacher_rows"] = mopd["rows"]
+        report.update(kl_report(runner.teacher_tags, st[:nt], st[nt:]))
     out = rs.apply(runner.version, rl.iterations)
     tok = max(float(sums[3]), 1.0)
     return {"loss": float(sums[0]), "grad_norm": float(out["grad_norm"]), "clip_frac": float(sums[1]) / tok,
             "kl": float(sums[2]) / tok, "response_tokens": int(sums[3]), "is_mean": float(sums[4]) / tok,
-            "is_capped": float(sums[5]) / tok, "lp_gap": float(cur)}
+            "is_capped": float(sums[5]) / tok, "lp_gap": float(cur), **report}
+
+
+def _rows_batch(runner, part: List[Rollout], idx: List[int], mb: dict, shard: int, dev) -> dict:
+    """The rows ``idx`` of micro-batch ``mb`` (built from rollouts ``part``) as a batch of their own, same length."""
+    b = response_batch([part[j] for j in idx], runner.tokenizer.pad_id, shard, 0, mb["mask"].shape[1])
+    return {k: (v if k == "cu_seqlens" else v.to(dev)) for k, v in b.items()}
 
 
 def _fresh_mask(part: List[Rollout], mb: dict, version: int) -> torch.Tensor:

@@ -245,7 +245,9 @@ class CPShard:
     cu_seqlens: Optional[torch.Tensor]
     """int32 local document offsets into the flattened local B*T stream (row ends included), or None"""
     pos_in_doc_BT: Optional[torch.Tensor]
-    """int64 [B, T/cp] global position in document of every local token, or None (unpacked rows)"""
+    """int64 [B, T/cp] global position in document of every local token, ON THE HOST (the conv halo's
+    document starts are index math on it, :func:`parallel.kda_cp.conv_halo_seq_info`), or None
+    (unpacked rows)"""
     key_doc_ids_BT: Optional[torch.Tensor]
     """int64 [B, offset + T/cp] document ids of the keys MLA attends to ([B, T] under ``balance``), or
     None (one document per row)"""
@@ -257,6 +259,8 @@ class CPShard:
     """balanced: query blocks per rank (each T/(split*cp) tokens)"""
     block_work: Optional[list] = None
     """balanced, packed rows: :func:`block_work` of the whole rows (which blocks each rank computes)"""
+    device: Optional[torch.device] = None
+    """where the layers run (the conv halo's SeqInfo is moved there)"""
     _conv_seq: dict = field(default_factory=dict)
 
     @property
@@ -269,7 +273,7 @@ class CPShard:
         left context; equal to the whole sequence's conv restricted to this segment."""
         W = conv.kernel
         if W not in self._conv_seq:
-            self._conv_seq[W] = conv_halo_seq_info(self.pos_in_doc_BT, W)
+            self._conv_seq[W] = conv_halo_seq_info(self.pos_in_doc_BT, W, self.device or x_BTP.device)
         halo = exchange_conv_halo(x_BTP, W, self.group)
         return conv(torch.cat([halo, x_BTP], 1), self._conv_seq[W])[:, W - 1:]
 
@@ -341,19 +345,22 @@ class ContextParallel:
                              f"{f'{self.split} x ' if self.balance else ''}parallel.cp={self.size}")
         Tl, r = T // self.size, self.rank
         dev = input_ids_BT.device
+        # all document index math runs on the host copy of the offsets (the loader's batch: reading
+        # it is not a device sync); only its results move to the device
         cu = None if cu_seqlens is None else torch.as_tensor(cu_seqlens).cpu()
         docs = cp_local_docs(cu, B, T, self.size, r)
-        key_doc = None
+        key_doc = key_doc_host = None
         if cu is not None:
             whole = make_seq_info(B, T, cu)
-            if whole.cu_seqlens.numel() - 1 != B:  # some row holds more than one document
-                key_doc = whole.doc_ids_BT[:, : T if self.balance else (r + 1) * Tl].to(dev)
+            if whole.cu_seqlens_host.numel() - 1 != B:  # some row holds more than one document
+                key_doc_host = whole.doc_ids_BT[:, : T if self.balance else (r + 1) * Tl]
+                key_doc = key_doc_host.to(dev)
         local_cu = None if docs.cu_seqlens is None else docs.cu_seqlens.to(dev)
-        shard = CPShard(self.group, self.size, r, Tl, docs.continues, local_cu,
-                        None if docs.pos_in_doc_BT is None else docs.pos_in_doc_BT.to(dev), key_doc,
+        shard = CPShard(self.group, self.size, r, Tl, docs.continues, local_cu, docs.pos_in_doc_BT, key_doc,
                         balance=self.balance,
                         split=self.split,
-                        block_work=block_work(key_doc, T, self.split * self.size) if self.balance else None)
+                        block_work=block_work(key_doc_host, T, self.split * self.size) if self.balance else None,
+                        device=dev)
         seq = dataclasses.replace(make_seq_info(B, Tl, docs.cu_seqlens, dev), cp=shard)
         sl = slice(r * Tl, (r + 1) * Tl)
         labels = None if labels_BT is None else labels_BT[:, sl]

@@ -48,7 +48,7 @@ of key work: exactly even), with packed rows a work-balanced assignment from the
 (query, key) counts (:func:`block_work`, computed on every rank from the global ``cu_seqlens``, so all
 agree). Per MLA layer: the latent is all-gathered as before; the local q (fp32, [B, H/tp, T/cp, qk])
 goes to the computing ranks in one all-to-all; each rank runs
-:func:`megak3.ops.attention.latent_attention` for its blocks, which expands K/V from the latent one key
+:func:`megak3.ops.latent_attention.latent_attention` for its blocks, which expands K/V from the latent one key
 block (T/(split*cp) keys, ``CPShard.key_block``) at a time and merges the blocks' outputs by their
 log-sum-exp, and again block by block in backward; the outputs return by the reverse all-to-all.
 Counted (:func:`mla_score_work`, the chunk pairs the layers visit, k3_tiny chunks at T = 64K): the
@@ -87,7 +87,8 @@ import torch
 import torch.distributed as dist
 
 from megak3.model.seqinfo import SeqInfo, make_seq_info
-from megak3.ops.attention import latent_attention
+from megak3.ops.latent_attention import latent_attention
+from parallel.config import ParallelConfig
 from parallel.kda_cp import (_nbytes, all_gather_autograd, conv_halo_seq_info, cp_local_docs, exchange_conv_halo,
                              kda_cp, record_comm)
 
@@ -157,10 +158,11 @@ def mla_score_work(T: int, cp: int, balance: bool, q_chunk: int = 256, k_chunk: 
                    cu_seqlens=None, B: int = 1, split: int = 2) -> list:
     """Score entries (query x key products, per head) each CP rank's MLA computes for rows of T tokens:
     the sum over the chunk pairs that :func:`megak3.ops.attention.chunked_attention` (contiguous) or
-    :func:`megak3.ops.attention.latent_attention` (balanced, key blocks of T/(2cp)) visit, built from
+    :func:`megak3.ops.latent_attention.latent_attention` (balanced, key blocks of T/(2cp)) visit, built from
     the same visibility plans the layers run (``cu_seqlens``: packed documents over the B rows)."""
     from megak3.model.seqinfo import make_seq_info
-    from megak3.ops.attention import _Plan, _block_plan, _key_blocks
+    from megak3.ops.attention import _Plan
+    from megak3.ops.latent_attention import _block_plan, _key_blocks
 
     doc = None
     if cu_seqlens is not None:
@@ -299,7 +301,7 @@ class CPShard:
                            q_chunk: int, k_chunk: int) -> torch.Tensor:
         """MLA output [B, H, T/cp, V] of this rank's queries under the balanced schedule: the local
         queries, cut into two blocks of T/(2cp), go to the ranks computing them (:func:`balanced_blocks`,
-        one all-to-all), every rank runs :func:`megak3.ops.attention.latent_attention` for its two
+        one all-to-all), every rank runs :func:`megak3.ops.latent_attention.latent_attention` for its two
         blocks against the all-gathered latent (K/V expanded one key block at a time) and the outputs
         come back by the reverse all-to-all. Backward runs the same exchanges in reverse."""
         B, H, S, K = q_BHSK.shape
@@ -370,11 +372,11 @@ class ContextParallel:
 def parallelize_cp(model, ps, parallel_cfg=None) -> Optional[ContextParallel]:
     """Install the model's ``context_parallel`` hook (``ParallelHooks``) when ``ps.cp_size > 1`` (returns the hook, or None);
     ``parallel_cfg``: a ParallelConfig whose ``cp_balance`` / ``cp_balance_split`` pick MLA's
-    schedule (None = contiguous)."""
+    schedule (None = ParallelConfig's defaults: balanced, split 2)."""
     if ps.cp_size == 1:
         return None
-    balance = bool(getattr(parallel_cfg, "cp_balance", False))
-    split = int(getattr(parallel_cfg, "cp_balance_split", 2))
+    balance = bool(getattr(parallel_cfg, "cp_balance", ParallelConfig.cp_balance))
+    split = int(getattr(parallel_cfg, "cp_balance_split", ParallelConfig.cp_balance_split))
     hook = ContextParallel(ps.cp_group, ps.cp_size, dist.get_rank(ps.cp_group), balance, split)
     model.set_parallel_hooks(replace(model.parallel_hooks, context_parallel=hook))
     return hook

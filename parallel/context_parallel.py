@@ -34,12 +34,12 @@ charges each pipeline stage its MLA layers' share of that, and a balanced placem
 compute term of such a step by up to 43%. Zigzag (rank r holds chunks r and 2cp-1-r) equalises the
 score work, but breaks the KDA scan into two non-adjacent runs per rank: the scan would need two
 summaries per rank and a second exclusive fold in the middle of the ring, and the conv halos would come
-from two different ranks. We keep one placement for both kinds (contiguous) and accept the MLA
-imbalance; at 1M tokens it is the first thing to revisit (listed in the README's CP section). Measured
+from two different ranks. We keep one placement for both kinds (contiguous); the MLA imbalance is
+what the balanced schedule below removes (on by default). Measured
 on this CPU (docs/SCALING.md, k3_tiny, T = 64K, cp=4, the bench's row) the slowest rank's CPU time is
 only 1.05x a quarter of cp=1's: CPU time is not proportional to these FLOP shares.
 
-Balanced MLA (``parallel.cp_balance=true``, default false; :meth:`CPShard.balanced_attention`). KDA
+Balanced MLA (``parallel.cp_balance``, default true; :meth:`CPShard.balanced_attention`). KDA
 keeps the contiguous segments above; only MLA's query work moves. Each row is cut into ``split * cp``
 query blocks of T/(split*cp) tokens (``parallel.cp_balance_split``, default 2; rank r holds blocks
 split*r .. split*r+split-1). :func:`balanced_blocks` gives every rank ``split`` blocks to compute: with
@@ -58,8 +58,10 @@ contiguous). No rank holds more than one key block's expanded K/V (the contiguou
 T). What it costs: every computed query block expands its key prefix again, (cp*split + 1)/2 key
 expansions per token on average instead of one (2 * kv_lora_rank * H * (nope + v) FLOPs each: ~2.5% of
 the MLA score FLOPs at K3, T = 1M, cp 32, split 2), and the q / o all-to-all (fp32, H*(qk+v) values per
-local token each way). The CUDA path is the chunked pure-torch twin too (no FlexAttention with
-``return_lse`` yet), so the switch stays off by default until measured on a GPU.
+local token each way). On CUDA each key block is one FlexAttention call that also returns its
+log-sum-exp (megak3/ops/latent_attention.py; forward and the exact backward through the kernel),
+elsewhere the chunked pure-torch twin. ``parallel.cp_balance=false`` restores the contiguous
+schedule (required with ``pp_schedule=zb_h1``).
 
 Documents. The global packing (``cu_seqlens`` over the flattened global ``B*T`` stream) is cut per
 rank by :func:`parallel.kda_cp.cp_local_docs`: local ``cu_seqlens`` (row ends included), whether

@@ -202,7 +202,8 @@ def test_planner_cp_balance_terms():
     L, qk = m.kv_lora_rank + m.qk_rope_head_dim, m.qk_nope_head_dim + m.qk_rope_head_dim
     want = T * (L * 4 + 8) + t * m.num_heads * (qk + m.v_head_dim + 1) * 4
     assert layer_activations(cfg, PlanConfig(cp_balance=True, **kw).resolved(), mla)["cp_saved"] == want
-    assert layer_activations(cfg, PlanConfig(**kw).resolved(), mla)["cp_saved"] > 2 * want
+    assert layer_activations(cfg, PlanConfig(**kw).resolved(), mla)["cp_saved"] == want   # the default
+    assert layer_activations(cfg, PlanConfig(cp_balance=False, **kw).resolved(), mla)["cp_saved"] > 2 * want
 
 
 def test_config_refuses_bad_balance_settings():

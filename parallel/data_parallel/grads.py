@@ -1,6 +1,13 @@
 """Gradient reduction of the ZeRO-1 optimizer: bucketed reduce-scatter (blocking or overlapped with
 the backward) into the owners' fp32 main gradients, and the global gradient-norm clip.
 
+Which params have a gradient (:meth:`GradReduction._agreed_presence`): decided without a host sync.
+Every rank of a group runs the same model under the same plan, so a param's gradient exists on all
+of them or on none, and this rank's ``grad is not None`` is the answer (checked once, at the first
+step). The model's batch-dependent params (``batch_dependent_parameters()``: the vision tower) are
+always reduced and masked on the device instead: an owned one that no rank had a gradient for keeps
+its value and optimizer state through the step (tests/test_data_parallel.py).
+
 Overlapped reduce-scatter (``overlap_grad_reduce=True``, issue 19 item 4)
     Each param gets a post-accumulate-grad hook. :meth:`GradReduction.start_grad_overlap`, called
     before the backward of the LAST micro-batch of a step, arms them: a bucket's reduce-scatter is
@@ -9,8 +16,7 @@ Overlapped reduce-scatter (``overlap_grad_reduce=True``, issue 19 item 4)
     of a group must match): by descending position of their earliest parameter in
     ``model.parameters()``, i.e. roughly the order backward completes them; a bucket that is ready
     before its predecessors waits for them. :meth:`GradReduction.reduce_gradients` then issues what
-    is left (params that got no gradient on this rank), runs the has-gradient all-reduce, and waits
-    for all handles. Same flat layout, same buffers, same collective: the result is bitwise that of
+    is left (params that got no gradient on this rank) and waits for all handles. Same flat layout, same buffers, same collective: the result is bitwise that of
     the non-overlapped form (tests/test_overlap.py). A gradient accumulated into a param whose bucket
     was already issued raises (it would be lost). Callers that modify gradients between backward and
     ``reduce_gradients`` (TP partial-gradient sums) or interleave other collectives on the same

@@ -220,14 +220,15 @@ def check_context_parallel(cp: int, tp: int, sequence_parallel: bool, seq_len: i
     (``balance_split``: ``parallel.cp_balance_split`` when ``parallel.cp_balance`` is on, else 0)."""
     if cp == 1:
         return
-    if balance_split and seq_len % (cp * balance_split):
-        raise ValueError(f"data.seq_len={seq_len} must be a multiple of parallel.cp x parallel.cp_balance_split "
-                         f"= {cp} x {balance_split} under parallel.cp_balance=true (or lower cp_balance_split)")
     shard = cp * (tp if sequence_parallel and tp > 1 else 1)
     if seq_len % shard:
         what = f"parallel.cp x parallel.tp = {cp} x {tp}" if shard != cp else f"parallel.cp={cp}"
         raise ValueError(f"data.seq_len={seq_len} must be a multiple of {what} (each CP rank holds "
                          f"seq_len/cp contiguous tokens{', split again over TP by SP' if shard != cp else ''})")
+    if balance_split and seq_len % (cp * balance_split):
+        raise ValueError(f"data.seq_len={seq_len} must be a multiple of parallel.cp x parallel.cp_balance_split "
+                         f"= {cp} x {balance_split} under parallel.cp_balance=true (lower cp_balance_split, or "
+                         f"set parallel.cp_balance=false)")
     if model_cfg is not None:  # (images under CP are refused where they arrive: K3Model.embed)
         W = model_cfg.kda.conv_kernel
         if seq_len // cp < W - 1:

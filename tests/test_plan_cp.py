@@ -140,12 +140,12 @@ def test_cp1_plans_unchanged():
 def test_cp_validation():
     cfg, hw = load_model_config("k3_tiny", **TINY), load_hardware("cpu")
     with pytest.raises(ValueError, match="data.seq_len=1000 must be a multiple of parallel.cp=16"):
-        P.make_plan(cfg, P.PlanConfig(cp=16, world_size=16, seq_len=1000, cp_balance=False), hw)
-    with pytest.raises(ValueError, match="data.seq_len=1000 must be a multiple of parallel.cp x "
-                                         "parallel.cp_balance_split = 16 x 2"):   # the default: balanced
         P.make_plan(cfg, P.PlanConfig(cp=16, world_size=16, seq_len=1000), hw)
+    with pytest.raises(ValueError, match="data.seq_len=1008 must be a multiple of parallel.cp x "
+                                         "parallel.cp_balance_split = 16 x 2"):   # the default: balanced
+        P.make_plan(cfg, P.PlanConfig(cp=16, world_size=16, seq_len=1008), hw)
     with pytest.raises(ValueError, match=r"parallel.cp x parallel.tp = 4 x 2"):
-        P.make_plan(cfg, P.PlanConfig(cp=4, tp=2, world_size=8, seq_len=12, cp_balance=False), hw)
+        P.make_plan(cfg, P.PlanConfig(cp=4, tp=2, world_size=8, seq_len=12), hw)
     with pytest.raises(ValueError, match=r"parallel.tp\*cp\*pp = 6 does not divide world_size=8"):
         P.make_plan(cfg, P.PlanConfig(cp=3, tp=2, world_size=8, seq_len=1200), hw)
     with pytest.raises(ValueError, match="conv halo"):

@@ -46,11 +46,13 @@ class ParallelConfig:
     """expert tensor-parallel degree (each routed expert's width is split etp ways)"""
     order: str = DEFAULT_ORDER
     """rank order of the axes, first = fastest-varying (Megatron-Core's default 'tp-cp-ep-dp-pp')"""
-    cp_balance: bool = False
-    """MLA under cp > 1: each rank's queries cut into ``cp_balance_split`` blocks that go to the ranks
-    computing them so every rank's score work is even, K/V expanded one key block at a time
-    (parallel/context_parallel.py ``balanced_attention``); KDA keeps the contiguous segments.
-    false = every rank attends its own contiguous segment (the last rank does most)"""
+    cp_balance: bool = True
+    """MLA under cp > 1 (default on): each rank's queries cut into ``cp_balance_split`` blocks that go to
+    the ranks computing them so every rank's score work is even, K/V expanded one key block at a time
+    (parallel/context_parallel.py ``balanced_attention``; FlexAttention with its log-sum-exp on CUDA,
+    the chunked twin elsewhere); KDA keeps the contiguous segments. false = every rank attends its
+    own contiguous segment (the last rank does most: 1.75x / 1.87x the average at cp 4 / 8); needed
+    with pp_schedule=zb_h1"""
     cp_balance_split: int = 2
     """query blocks per CP rank under ``cp_balance`` (data.seq_len must divide by cp x this)"""
     sequence_parallel: bool = False

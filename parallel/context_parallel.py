@@ -34,12 +34,12 @@ charges each pipeline stage its MLA layers' share of that, and a balanced placem
 compute term of such a step by up to 43%. Zigzag (rank r holds chunks r and 2cp-1-r) equalises the
 score work, but breaks the KDA scan into two non-adjacent runs per rank: the scan would need two
 summaries per rank and a second exclusive fold in the middle of the ring, and the conv halos would come
-from two different ranks. We keep one placement for both kinds (contiguous) and accept the MLA
-imbalance; at 1M tokens it is the first thing to revisit (listed in the README's CP section). Measured
+from two different ranks. We keep one placement for both kinds (contiguous); the MLA imbalance is
+what the balanced schedule below removes (on by default). Measured
 on this CPU (docs/SCALING.md, k3_tiny, T = 64K, cp=4, the bench's row) the slowest rank's CPU time is
 only 1.05x a quarter of cp=1's: CPU time is not proportional to these FLOP shares.
 
-Balanced MLA (``parallel.cp_balance=true``, default false; :meth:`CPShard.balanced_attention`). KDA
+Balanced MLA (``parallel.cp_balance``, default true; :meth:`CPShard.balanced_attention`). KDA
 keeps the contiguous segments above; only MLA's query work moves. Each row is cut into ``split * cp``
 query blocks of T/(split*cp) tokens (``parallel.cp_balance_split``, default 2; rank r holds blocks
 split*r .. split*r+split-1). :func:`balanced_blocks` gives every rank ``split`` blocks to compute: with
@@ -48,7 +48,7 @@ of key work: exactly even), with packed rows a work-balanced assignment from the
 (query, key) counts (:func:`block_work`, computed on every rank from the global ``cu_seqlens``, so all
 agree). Per MLA layer: the latent is all-gathered as before; the local q (fp32, [B, H/tp, T/cp, qk])
 goes to the computing ranks in one all-to-all; each rank runs
-:func:`megak3.ops.attention.latent_attention` for its blocks, which expands K/V from the latent one key
+:func:`megak3.ops.latent_attention.latent_attention` for its blocks, which expands K/V from the latent one key
 block (T/(split*cp) keys, ``CPShard.key_block``) at a time and merges the blocks' outputs by their
 log-sum-exp, and again block by block in backward; the outputs return by the reverse all-to-all.
 Counted (:func:`mla_score_work`, the chunk pairs the layers visit, k3_tiny chunks at T = 64K): the
@@ -58,8 +58,10 @@ contiguous). No rank holds more than one key block's expanded K/V (the contiguou
 T). What it costs: every computed query block expands its key prefix again, (cp*split + 1)/2 key
 expansions per token on average instead of one (2 * kv_lora_rank * H * (nope + v) FLOPs each: ~2.5% of
 the MLA score FLOPs at K3, T = 1M, cp 32, split 2), and the q / o all-to-all (fp32, H*(qk+v) values per
-local token each way). The CUDA path is the chunked pure-torch twin too (no FlexAttention with
-``return_lse`` yet), so the switch stays off by default until measured on a GPU.
+local token each way). On CUDA each key block is one FlexAttention call that also returns its
+log-sum-exp (megak3/ops/latent_attention.py; forward and the exact backward through the kernel),
+elsewhere the chunked pure-torch twin. ``parallel.cp_balance=false`` restores the contiguous
+schedule (required with ``pp_schedule=zb_h1``).
 
 Documents. The global packing (``cu_seqlens`` over the flattened global ``B*T`` stream) is cut per
 rank by :func:`parallel.kda_cp.cp_local_docs`: local ``cu_seqlens`` (row ends included), whether
@@ -87,7 +89,8 @@ import torch
 import torch.distributed as dist
 
 from megak3.model.seqinfo import SeqInfo, make_seq_info
-from megak3.ops.attention import latent_attention
+from megak3.ops.latent_attention import latent_attention
+from parallel.config import ParallelConfig
 from parallel.kda_cp import (_nbytes, all_gather_autograd, conv_halo_seq_info, cp_local_docs, exchange_conv_halo,
                              kda_cp, record_comm)
 
@@ -157,10 +160,11 @@ def mla_score_work(T: int, cp: int, balance: bool, q_chunk: int = 256, k_chunk: 
                    cu_seqlens=None, B: int = 1, split: int = 2) -> list:
     """Score entries (query x key products, per head) each CP rank's MLA computes for rows of T tokens:
     the sum over the chunk pairs that :func:`megak3.ops.attention.chunked_attention` (contiguous) or
-    :func:`megak3.ops.attention.latent_attention` (balanced, key blocks of T/(2cp)) visit, built from
+    :func:`megak3.ops.latent_attention.latent_attention` (balanced, key blocks of T/(2cp)) visit, built from
     the same visibility plans the layers run (``cu_seqlens``: packed documents over the B rows)."""
     from megak3.model.seqinfo import make_seq_info
-    from megak3.ops.attention import _Plan, _block_plan, _key_blocks
+    from megak3.ops.attention import _Plan
+    from megak3.ops.latent_attention import _block_plan, _key_blocks
 
     doc = None
     if cu_seqlens is not None:
@@ -216,14 +220,15 @@ def check_context_parallel(cp: int, tp: int, sequence_parallel: bool, seq_len: i
     (``balance_split``: ``parallel.cp_balance_split`` when ``parallel.cp_balance`` is on, else 0)."""
     if cp == 1:
         return
-    if balance_split and seq_len % (cp * balance_split):
-        raise ValueError(f"data.seq_len={seq_len} must be a multiple of parallel.cp x parallel.cp_balance_split "
-                         f"= {cp} x {balance_split} under parallel.cp_balance=true (or lower cp_balance_split)")
     shard = cp * (tp if sequence_parallel and tp > 1 else 1)
     if seq_len % shard:
         what = f"parallel.cp x parallel.tp = {cp} x {tp}" if shard != cp else f"parallel.cp={cp}"
         raise ValueError(f"data.seq_len={seq_len} must be a multiple of {what} (each CP rank holds "
                          f"seq_len/cp contiguous tokens{', split again over TP by SP' if shard != cp else ''})")
+    if balance_split and seq_len % (cp * balance_split):
+        raise ValueError(f"data.seq_len={seq_len} must be a multiple of parallel.cp x parallel.cp_balance_split "
+                         f"= {cp} x {balance_split} under parallel.cp_balance=true (lower cp_balance_split, or "
+                         f"set parallel.cp_balance=false)")
     if model_cfg is not None:  # (images under CP are refused where they arrive: K3Model.embed)
         W = model_cfg.kda.conv_kernel
         if seq_len // cp < W - 1:
@@ -245,7 +250,9 @@ class CPShard:
     cu_seqlens: Optional[torch.Tensor]
     """int32 local document offsets into the flattened local B*T stream (row ends included), or None"""
     pos_in_doc_BT: Optional[torch.Tensor]
-    """int64 [B, T/cp] global position in document of every local token, or None (unpacked rows)"""
+    """int64 [B, T/cp] global position in document of every local token, ON THE HOST (the conv halo's
+    document starts are index math on it, :func:`parallel.kda_cp.conv_halo_seq_info`), or None
+    (unpacked rows)"""
     key_doc_ids_BT: Optional[torch.Tensor]
     """int64 [B, offset + T/cp] document ids of the keys MLA attends to ([B, T] under ``balance``), or
     None (one document per row)"""
@@ -257,6 +264,8 @@ class CPShard:
     """balanced: query blocks per rank (each T/(split*cp) tokens)"""
     block_work: Optional[list] = None
     """balanced, packed rows: :func:`block_work` of the whole rows (which blocks each rank computes)"""
+    device: Optional[torch.device] = None
+    """where the layers run (the conv halo's SeqInfo is moved there)"""
     _conv_seq: dict = field(default_factory=dict)
 
     @property
@@ -269,7 +278,7 @@ class CPShard:
         left context; equal to the whole sequence's conv restricted to this segment."""
         W = conv.kernel
         if W not in self._conv_seq:
-            self._conv_seq[W] = conv_halo_seq_info(self.pos_in_doc_BT, W)
+            self._conv_seq[W] = conv_halo_seq_info(self.pos_in_doc_BT, W, self.device or x_BTP.device)
         halo = exchange_conv_halo(x_BTP, W, self.group)
         return conv(torch.cat([halo, x_BTP], 1), self._conv_seq[W])[:, W - 1:]
 
@@ -295,7 +304,7 @@ class CPShard:
                            q_chunk: int, k_chunk: int) -> torch.Tensor:
         """MLA output [B, H, T/cp, V] of this rank's queries under the balanced schedule: the local
         queries, cut into two blocks of T/(2cp), go to the ranks computing them (:func:`balanced_blocks`,
-        one all-to-all), every rank runs :func:`megak3.ops.attention.latent_attention` for its two
+        one all-to-all), every rank runs :func:`megak3.ops.latent_attention.latent_attention` for its two
         blocks against the all-gathered latent (K/V expanded one key block at a time) and the outputs
         come back by the reverse all-to-all. Backward runs the same exchanges in reverse."""
         B, H, S, K = q_BHSK.shape
@@ -341,19 +350,22 @@ class ContextParallel:
                              f"{f'{self.split} x ' if self.balance else ''}parallel.cp={self.size}")
         Tl, r = T // self.size, self.rank
         dev = input_ids_BT.device
+        # all document index math runs on the host copy of the offsets (the loader's batch: reading
+        # it is not a device sync); only its results move to the device
         cu = None if cu_seqlens is None else torch.as_tensor(cu_seqlens).cpu()
         docs = cp_local_docs(cu, B, T, self.size, r)
-        key_doc = None
+        key_doc = key_doc_host = None
         if cu is not None:
             whole = make_seq_info(B, T, cu)
-            if whole.cu_seqlens.numel() - 1 != B:  # some row holds more than one document
-                key_doc = whole.doc_ids_BT[:, : T if self.balance else (r + 1) * Tl].to(dev)
+            if whole.cu_seqlens_host.numel() - 1 != B:  # some row holds more than one document
+                key_doc_host = whole.doc_ids_BT[:, : T if self.balance else (r + 1) * Tl]
+                key_doc = key_doc_host.to(dev)
         local_cu = None if docs.cu_seqlens is None else docs.cu_seqlens.to(dev)
-        shard = CPShard(self.group, self.size, r, Tl, docs.continues, local_cu,
-                        None if docs.pos_in_doc_BT is None else docs.pos_in_doc_BT.to(dev), key_doc,
+        shard = CPShard(self.group, self.size, r, Tl, docs.continues, local_cu, docs.pos_in_doc_BT, key_doc,
                         balance=self.balance,
                         split=self.split,
-                        block_work=block_work(key_doc, T, self.split * self.size) if self.balance else None)
+                        block_work=block_work(key_doc_host, T, self.split * self.size) if self.balance else None,
+                        device=dev)
         seq = dataclasses.replace(make_seq_info(B, Tl, docs.cu_seqlens, dev), cp=shard)
         sl = slice(r * Tl, (r + 1) * Tl)
         labels = None if labels_BT is None else labels_BT[:, sl]
@@ -363,11 +375,11 @@ class ContextParallel:
 def parallelize_cp(model, ps, parallel_cfg=None) -> Optional[ContextParallel]:
     """Install the model's ``context_parallel`` hook (``ParallelHooks``) when ``ps.cp_size > 1`` (returns the hook, or None);
     ``parallel_cfg``: a ParallelConfig whose ``cp_balance`` / ``cp_balance_split`` pick MLA's
-    schedule (None = contiguous)."""
+    schedule (None = ParallelConfig's defaults: balanced, split 2)."""
     if ps.cp_size == 1:
         return None
-    balance = bool(getattr(parallel_cfg, "cp_balance", False))
-    split = int(getattr(parallel_cfg, "cp_balance_split", 2))
+    balance = bool(getattr(parallel_cfg, "cp_balance", ParallelConfig.cp_balance))
+    split = int(getattr(parallel_cfg, "cp_balance_split", ParallelConfig.cp_balance_split))
     hook = ContextParallel(ps.cp_group, ps.cp_size, dist.get_rank(ps.cp_group), balance, split)
     model.set_parallel_hooks(replace(model.parallel_hooks, context_parallel=hook))
     return hook

@@ -215,27 +215,32 @@ def exchange_conv_halo(x_BTP: torch.Tensor, kernel: int, group) -> torch.Tensor:
     return _Halo.apply(x_BTP, n, group)
 
 
-def conv_halo_seq_info(pos_in_doc_BT: Optional[torch.Tensor], kernel: int) -> SeqInfo:
+def conv_halo_seq_info(pos_in_doc_BT: Optional[torch.Tensor], kernel: int, device=None) -> SeqInfo:
     """SeqInfo for `ShortConv` applied to `cat([halo, x_local], 1)` (`[B, W-1+T, P]`).
 
     Args:
         pos_in_doc_BT: global position in document of every local token `[B, T]` (`CPDocs.pos_in_doc_BT`),
-            or None for unpacked rows (each row one document spanning all ranks).
+            or None for unpacked rows (each row one document spanning all ranks). Pass the host
+            copy: the document starts are found by index math on it (a boolean mask, whose result
+            size would be a device-to-host read on a device tensor).
+        device: where the returned tensors live (default: that of ``pos_in_doc_BT``).
     Returns:
         SeqInfo whose `pos_in_doc_BT` is the local positions preceded by W-1 placeholder zeros for the
         halo tokens (their outputs are to be dropped: `conv(...)[:, W-1:]`); `cu_seqlens` lists the
-        extended stream's document starts (positions == 0) and row ends.
+        extended stream's document starts (positions == 0) and row ends (`cu_seqlens_host`: the same
+        offsets on the host).
     """
     if pos_in_doc_BT is None:
         return SeqInfo(0, 0, None, None, None)
+    dev = pos_in_doc_BT.device if device is None else torch.device(device)
     B, T = pos_in_doc_BT.shape
     n = kernel - 1
     pos = torch.cat([pos_in_doc_BT.new_zeros(B, n), pos_in_doc_BT], 1)
     flat = pos.reshape(-1)
     idx = torch.arange(flat.numel(), device=flat.device)
     starts = idx[(flat == 0) | (idx % (T + n) == 0)]
-    cu = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
-    return SeqInfo(B, T + n, cu, None, pos)
+    cu = torch.nn.functional.pad(starts, (0, 1), value=flat.numel())   # + the stream's end
+    return SeqInfo(B, T + n, cu.to(torch.int32).to(dev), None, pos.to(dev), cu_seqlens_host=cu)
 
 
 # -------------------------------------------------------------------------------- document layout
@@ -269,7 +274,7 @@ def cp_local_docs(cu_seqlens: Optional[torch.Tensor], batch: int, seqlen: int, c
     flat = pos_BT.reshape(-1)
     idx = torch.arange(flat.numel())
     starts = idx[(flat == 0) | (idx % T == 0)]
-    cu = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
+    cu = torch.nn.functional.pad(starts, (0, 1), value=flat.numel()).to(torch.int32)  # + the stream's end
     return CPDocs(cu, [bool(p > 0) for p in pos_BT[:, 0].tolist()], pos_BT)
 
 

@@ -3,7 +3,8 @@
 Layers: a KDA and a Gated-MLA layer on rows whose documents cross the CP boundaries (one document
 starting exactly on a boundary, one 1-token document), outputs and every gradient (parameters and
 the input) within 1e-5 relative of the whole-sequence layer, at cp = 2, 4 and 8, packed and unpacked.
-Training: the production RankStep (megak3/train/parity.py run_steps), 5 steps, at cp2 / cp4 / cp8 alone
+Training: the production RankStep (megak3/train/parity.py run_steps) with the default config, so MLA
+runs the balanced schedule (parallel.cp_balance, counted), 5 steps, at cp2 / cp4 / cp8 alone
 (step-0 gradients of every parameter, losses, global grad norms) and cp2 combined with tp2+SP, dp2,
 pp2 and ep2 (losses within 1e-4, grad norms); ep2 with MoonEP (counted: every MoE layer's forward
 went through MoonEPDispatcher and it planned replicas) and with the baseline dispatcher.
@@ -157,13 +158,23 @@ LAYOUTS = {  # name: (world, run_steps kwargs)
 
 def _run_steps_counting_dispatch(rank, world, *args, moonep: bool = True, **kw):
     """run_steps, with moonep.enabled set and every expert dispatcher's calls counted on this rank:
-    (run_steps' result, {'moonep': calls, 'baseline': calls, 'replicas': MoonEP replicas planned})."""
+    (run_steps' result, {'moonep': calls, 'baseline': calls, 'replicas': MoonEP replicas planned,
+    'balanced': balanced-CP MLA calls})."""
     import megak3.train.parity as parity
     from moonep.dispatch import BaselineDispatcher
     from moonep.moonep import MoonEPDispatcher
 
-    seen = {"moonep": 0, "baseline": 0, "replicas": 0}
+    import parallel.context_parallel as cpmod
+
+    seen = {"moonep": 0, "baseline": 0, "replicas": 0, "balanced": 0}
     moon_call, base_call, job_of = MoonEPDispatcher.__call__, BaselineDispatcher.__call__, parity.parity_job
+    attend = cpmod.CPShard.balanced_attention
+
+    def balanced(self, *a, **k):
+        seen["balanced"] += 1
+        return attend(self, *a, **k)
+
+    cpmod.CPShard.balanced_attention = balanced
 
     def moon(self, *a, **k):
         out = moon_call(self, *a, **k)
@@ -197,6 +208,10 @@ def test_training_matches_single_process(reference, name):
     want = {"moonep": calls if kw.get("ep", 1) > 1 and kw.get("moonep", True) else 0,
             "baseline": calls if kw.get("ep", 1) > 1 and not kw.get("moonep", True) else 0}
     assert {k: seen[k] for k in want} == want, seen
+    # parallel.cp_balance is on by default: every MLA forward took the balanced schedule (rank 0
+    # holds only its own stage's layers under pp)
+    n_mla = _CFG.layer_kinds().count("mla")
+    assert (seen["balanced"] == n_mla * STEPS) if kw.get("pp", 1) == 1 else (0 < seen["balanced"] < n_mla * STEPS), seen
     if want["moonep"]:  # the replica path (weight fetch, gradient return) ran, not just the home experts
         assert seen["replicas"] > 0, seen
 

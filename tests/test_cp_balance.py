@@ -16,7 +16,8 @@ import torch.distributed as dist
 from megak3.config import load_model_config
 from megak3.model.mla import GatedMLA
 from megak3.model.seqinfo import make_seq_info
-from megak3.ops.attention import chunked_attention, latent_attention
+from megak3.ops.attention import chunked_attention
+from megak3.ops.latent_attention import latent_attention
 from parallel.context_parallel import ContextParallel, balanced_blocks, mla_score_work
 from parallel.testing import PARITY_MODEL as MODEL, run_distributed
 
@@ -150,16 +151,10 @@ def test_per_rank_mla_work_is_balanced(cp):
 
 # ---- the production step under cp_balance (megak3.train.parity.run_steps) -----------------------------
 def _balanced_steps(rank, world, steps):
-    from types import SimpleNamespace
-
     import parallel.context_parallel as cpmod
     from megak3.train.parity import run_steps
 
-    # parallel/parallelize.py imports parallelize_cp at call time: hand it cp_balance=true whatever
-    # the parity job's config says
-    orig = cpmod.parallelize_cp
-    cpmod.parallelize_cp = lambda model, ps, parallel_cfg=None: orig(
-        model, ps, SimpleNamespace(cp_balance=True, cp_balance_split=2))
+    # the parity job's ParallelConfig leaves cp_balance at its default (true): count that it took it
     calls, attend = [0], cpmod.CPShard.balanced_attention
 
     def counted(self, *a, **k):
@@ -171,8 +166,9 @@ def _balanced_steps(rank, world, steps):
 
 
 def test_training_step_matches_single_process():
-    """cp4 with cp_balance through the production RankStep: losses, grad norms and the step-0 gradient of
-    every parameter as tests/test_context_parallel.py's tolerances."""
+    """cp4 through the production RankStep with the default config (cp_balance on): every MLA forward
+    takes the balanced schedule; losses, grad norms and the step-0 gradient of every parameter as
+    tests/test_context_parallel.py's tolerances."""
     from megak3.train.parity import run_steps
 
     ref = run_steps(0, 1, 1, 1, False, 2, MODEL)
@@ -206,7 +202,8 @@ def test_planner_cp_balance_terms():
     L, qk = m.kv_lora_rank + m.qk_rope_head_dim, m.qk_nope_head_dim + m.qk_rope_head_dim
     want = T * (L * 4 + 8) + t * m.num_heads * (qk + m.v_head_dim + 1) * 4
     assert layer_activations(cfg, PlanConfig(cp_balance=True, **kw).resolved(), mla)["cp_saved"] == want
-    assert layer_activations(cfg, PlanConfig(**kw).resolved(), mla)["cp_saved"] > 2 * want
+    assert layer_activations(cfg, PlanConfig(**kw).resolved(), mla)["cp_saved"] == want   # the default
+    assert layer_activations(cfg, PlanConfig(cp_balance=False, **kw).resolved(), mla)["cp_saved"] > 2 * want
 
 
 def test_config_refuses_bad_balance_settings():

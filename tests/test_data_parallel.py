@@ -400,6 +400,76 @@ def test_param_without_gradient_is_left_alone():
         assert max_rel_diff(params[-1], ref_params[-1]) <= 1e-6
 
 
+class GatedExtraLM(TinyLM):
+    """TinyLM with a layer that only rows starting with an even token id run (Muon weight + AdamW
+    bias): whether it gets a gradient depends on the batch, as the vision tower's does."""
+
+    def __init__(self, declare=True):
+        super().__init__()
+        self.extra = nn.Linear(32, 32, bias=True)
+        self.declare = declare
+
+    def batch_dependent_parameters(self):
+        return list(self.extra.parameters()) if self.declare else []
+
+    def forward(self, input_ids, labels):
+        h = self.embed_tokens(input_ids)
+        if int(input_ids[0, 0]) % 2 == 0:  # host batch: a data-dependent branch
+            h = h + self.extra(h)
+        for layer in self.layers:
+            h = layer(h)
+        logits = self.lm_head(self.norm(h)).float()
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+
+
+def _gated_batches():
+    """4 steps of 4 rows; rank r (2 ranks) gets rows 2r, 2r+1 and runs ``extra`` when row 2r starts
+    even: step 0 rank 0 only, step 1 no rank, step 2 both, step 3 rank 1 only (and step 1 again
+    after it has state: it must stay untouched)."""
+    batches = make_batches(64, rows=4, seq=12, steps=5)
+    for (ids, _), (r0, r1) in zip(batches, [(1, 0), (0, 0), (1, 1), (0, 1), (0, 0)]):
+        ids[0, 0], ids[2, 0] = 4 if r0 else 5, 6 if r1 else 7
+    return batches
+
+
+def test_batch_dependent_param_is_reduced_without_host_sync_and_left_alone_when_unused():
+    """A declared batch-dependent param: updated when any rank had a gradient (the sum of theirs),
+    left alone (value, Muon momentum, Adam moments and step) when none had; equals single-process
+    training over the same micro-batches, and reduce_gradients reads nothing on the host after
+    its first call (the static-presence check)."""
+    import test_host_syncs
+
+    base = GatedExtraLM()
+    batches = _gated_batches()
+    ref_params, ref_norms = reference_run(copy.deepcopy(base), tiny_loss_sum, batches, micro=2)
+    assert torch.equal(ref_params[1]["extra.weight"], ref_params[0]["extra.weight"])   # step 1: untouched
+    assert not torch.equal(ref_params[2]["extra.weight"], ref_params[1]["extra.weight"])
+
+    def fn(rank, group):
+        model = copy.deepcopy(base)
+        opt = ShardedOptimizer(model, CFG, group, bucket_bytes=2048)
+        params, norms, _ = dp_train(rank, group, model, tiny_loss_sum, batches, opt=opt, steps=[0])
+        with test_host_syncs.HostSyncSpy() as spy:
+            more = dp_train(rank, group, model, tiny_loss_sum, batches, opt=opt, steps=range(1, 5))
+        return params + more[0], norms + more[1], [e for e in spy.events if "grads.py" in e[1]]
+
+    for params, norms, events in run_threaded(2, fn):
+        assert events == []
+        for step in range(5):
+            assert max_rel_diff(params[step], ref_params[step]) <= 1e-5, step
+        assert torch.equal(params[4]["extra.weight"], params[3]["extra.weight"])
+        assert norms == pytest.approx(ref_norms, rel=1e-5)
+
+
+def test_undeclared_batch_dependent_param_is_refused():
+    """The static rule is checked at the first step: a param with a gradient on one rank only that
+    the model does not declare raises, naming it (instead of a silently lost gradient)."""
+    base = GatedExtraLM(declare=False)
+    batches = _gated_batches()
+    with pytest.raises(Exception, match="extra.weight"):
+        run_threaded(2, lambda r, g: dp_train(r, g, copy.deepcopy(base), tiny_loss_sum, batches, steps=[0]))
+
+
 def _gloo_worker(rank, world, init_file, out_dir):
     import datetime
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,

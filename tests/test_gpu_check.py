@@ -53,6 +53,10 @@ def test_cpu_dry_pass_runs_b_to_d_against_their_twins(dry_report):
     assert att["fp32/docs/dq"]["rel_err"] < 1e-5
     # bf16 outputs: rounding of the output, ~2^-9, far from 0 and within the bf16 tolerance
     assert 1e-4 < att["bf16/docs/attention_vs_reference"]["rel_err"] < gpu_common.TOL_BF16
+    # balanced CP's FlexAttention-with-lse form (eager on CPU, forward) vs its chunked twin
+    assert report["parts"]["mla_attention"]["latent"]["path"] == "FlexAttention eager, forward only (CPU)"
+    assert att["latent/fp32/flex_lse_vs_chunked_twin"]["rel_err"] < 1e-5
+    assert att["latent/block/lse_masked_rows"]["ok"] and att["latent/block/lse"]["rel_err"] < 1e-5
     gg = report["parts"]["grouped_gemm"]
     assert gg["checks"]["tiled_fp32/out"]["rel_err"] < 1e-6
     assert gg["checks"]["grouped_mm_bf16/dw"]["rel_err"] < gpu_common.TOL_BF16

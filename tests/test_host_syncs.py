@@ -247,9 +247,10 @@ def _step_events(rank=0, world=1, layout=None, loss_fn=None):
     from megak3.train.parity import parity_job
     from parallel.state import ParallelState, init_parallel
 
-    lay = {"tp": 1, "sp": False, "cp": 1, "ep": 1, **(layout or {})}
-    dp = world // (lay["tp"] * lay["cp"])
-    job = parity_job(lay["tp"], dp, lay["sp"], dict(PARITY_MODEL), 2, 32, 5, 1e-3, 3, cp=lay["cp"], ep=lay["ep"])
+    lay = {"tp": 1, "sp": False, "cp": 1, "ep": 1, "pp": 1, **(layout or {})}
+    dp = world // (lay["tp"] * lay["cp"] * lay["pp"])
+    job = parity_job(lay["tp"], dp, lay["sp"], dict(PARITY_MODEL), 2, 32, 5, 1e-3, 3, cp=lay["cp"], ep=lay["ep"],
+                     pp=lay["pp"])
     job.moonep.planner_backend = "torch"  # the planner CUDA runs (the C++ one plans CPU tensors on the host)
     ps = init_parallel(job.parallel, model_cfg=job.model) if world > 1 else ParallelState.single()
     rs = RankStep(job, ps, "cpu", grad_accum=1)
@@ -338,32 +339,47 @@ PER_LAYER_READS = {
     "parallel/moe_stats.py": "the exact Quantile-Balancing merge reads the gathered token counts, once per MoE layer "
                              "and step (documented there; model.moe.qb_method=histogram has none)",
 }
-# Host syncs the spy finds that are NOT fixed yet (issue 24; the files are outside this change):
-# named so the test passes and says where they are; site -> (most events per step, reason). The
-# bounds are today's counts, so a new sync at one of these sites still fails the test.
-OPEN = {
-    "data_parallel/grads.py :: part.tolist()": (1, "reduce_gradients agrees on which parameters have gradients with "
-                                         "part.tolist() every step (dp > 1)"),
-    "parallel/kda_cp.py": (7, "cp > 1: the conv halo's document starts by boolean mask on device positions (236) and "
-                         "kda_cp's offsets read back from the device cu_seqlens (372; issue 24 finding 4)"),
-    "model/seqinfo.py": (7, "cp > 1: make_seq_info reads back the conv halo's device cu_seqlens (built in "
-                            "parallel/kda_cp.py:236)"),
-}
-LAYOUTS = {"tp2+sp": {"tp": 2, "sp": True}, "ep2 MoonEP": {"ep": 2}, "cp2": {"cp": 2}}
+# Host syncs the spy finds that are NOT fixed yet: site -> (most events per step, reason). Empty
+# since issue 37: ZeRO-1 decides which params have a gradient from static information (plus a
+# device-side mask for the model's batch-dependent params, parallel/data_parallel/grads.py), and
+# the CP conv halo's document starts are index math on the loader's host offsets
+# (parallel/context_parallel.py ContextParallel.shard, parallel/kda_cp.py conv_halo_seq_info).
+OPEN: dict = {}
+LAYOUTS = {"tp2+sp": {"tp": 2, "sp": True}, "dp2 ZeRO-1": {}, "ep2 MoonEP": {"ep": 2}, "cp2": {"cp": 2},
+           "pp2": {"pp": 2}}
+
+
+def _planted_item(loss_fn):
+    """``loss_fn`` plus a host read of its loss (the negative control of the layout runs; the spy
+    names the model's loss line, the first frame outside this file)."""
+    def planted(logits, labels):
+        out = loss_fn(logits, labels)
+        out[0].item()
+        return out
+    return planted
 
 
 def _layout_events(rank, world):
-    return {name: _step_events(rank, world, layout) for name, layout in LAYOUTS.items()}
+    out = {name: _step_events(rank, world, layout) for name, layout in LAYOUTS.items()}
+    from megak3.model.k3 import token_loss_sum
+    out["planted"] = _step_events(rank, world, {}, loss_fn=_planted_item(token_loss_sum))
+    return out
 
 
 def test_parallel_steps_have_no_host_sync():
-    """tp2 + sequence parallel, ep2 with MoonEP, cp2 (gloo, 2 ranks): 0 host syncs in a
-    non-logging step outside the CPU twins' sites (ELSEWHERE) and the per-layer reads above."""
+    """tp2 + sequence parallel, dp2 with ZeRO-1, ep2 with MoonEP, cp2 (balanced MLA, the default),
+    pp2 (gloo, 2 ranks): 0 host syncs in a non-logging step outside the CPU twins' sites
+    (ELSEWHERE) and the per-layer reads above; a planted ``.item()`` in the dp2 step is seen."""
     from parallel.testing import run_distributed
 
     cfg = load_model_config("k3_tiny", **PARITY_MODEL)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     for rank, by_layout in enumerate(run_distributed(_layout_events, 2, timeout_s=400)):
+        # negative control: the same dp2 step with a planted .item() on the loss is seen, where it is
+        planted = by_layout.pop("planted")
+        assert [w for w, loc in _not_elsewhere(planted, {**ELSEWHERE, **PER_LAYER_READS})] == \
+            ["aten._local_scalar_dense.default"], planted
+        assert _not_elsewhere(planted, {**ELSEWHERE, **PER_LAYER_READS})[0][1].startswith("model/k3.py"), planted
         for name, events in by_layout.items():
             mine = _not_elsewhere(events, {**ELSEWHERE, **PER_LAYER_READS, **OPEN})
             assert mine == [], f"{name}, rank {rank}:\n" + "\n".join(f"{w}: {loc}" for w, loc in mine)

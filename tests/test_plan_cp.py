@@ -1,7 +1,9 @@
 """The planner's context parallelism (issue 17 item 5): CP memory and traffic formulas against
 hand-computed values and against the bytes the real KDA / MLA layers send under CP (comm_log,
 threaded ranks), cp = 1 plans unchanged, no T^2 term under CP, validation, and the million-token
---min-gpus layouts (cp > 1, fitting)."""
+--min-gpus layouts (cp > 1, fitting). The hand counts are of contiguous MLA (``cp_balance=False``,
+pinned; the balanced schedule, the default, has its terms in tests/test_cp_balance.py); the
+comm_log comparison runs both schedules."""
 import math
 from dataclasses import replace
 
@@ -22,7 +24,7 @@ def test_cp_traffic_and_memory_by_hand():
     tools/bench_long_context.py measured 768 KiB (scan) + 18 KiB (halo) per KDA layer and 480 KiB
     per MLA layer, forward + backward, per rank."""
     cfg = load_model_config("k3_tiny", **TINY)
-    pc = P.PlanConfig(cp=4, world_size=4, seq_len=1024, precision="fp32").resolved()
+    pc = P.PlanConfig(cp=4, world_size=4, seq_len=1024, precision="fp32", cp_balance=False).resolved()
     kda, mla = P.cp_layer_figures(cfg, pc, "kda"), P.cp_layer_figures(cfg, pc, "mla")
     assert kda["scan_fwd"] == kda["scan_bwd"] == 3 * 1 * 4 * 64 * (64 + 64) * 4          # (cp-1) B H K (K+V) fp32
     assert kda["halo_fwd"] == kda["halo_bwd"] == 3 * 1 * 4 * (2 * 64 + 64) * 4           # (W-1) B H (2K+V)
@@ -53,7 +55,7 @@ def test_cp_traffic_and_memory_by_hand():
     no = P.comm_per_step(cfg, replace(pc, activation_checkpointing=False), 0)
     assert no["cp"] == n_kda * m * (kda["sent_fwd"] + kda["sent_bwd"]) + n_mla * m * (mla["sent_fwd"] + mla["sent_bwd"])
     # TP shares the KDA heads; every TP rank gathers the whole (replicated) MLA latent
-    tp2 = P.PlanConfig(tp=2, cp=4, world_size=8, seq_len=1024, precision="fp32").resolved()
+    tp2 = P.PlanConfig(tp=2, cp=4, world_size=8, seq_len=1024, precision="fp32", cp_balance=False).resolved()
     assert P.cp_layer_figures(cfg, tp2, "kda")["scan_fwd"] == kda["scan_fwd"] / 2
     assert P.cp_layer_figures(cfg, tp2, "mla")["latent_fwd"] == mla["latent_fwd"]
 
@@ -139,6 +141,9 @@ def test_cp_validation():
     cfg, hw = load_model_config("k3_tiny", **TINY), load_hardware("cpu")
     with pytest.raises(ValueError, match="data.seq_len=1000 must be a multiple of parallel.cp=16"):
         P.make_plan(cfg, P.PlanConfig(cp=16, world_size=16, seq_len=1000), hw)
+    with pytest.raises(ValueError, match="data.seq_len=1008 must be a multiple of parallel.cp x "
+                                         "parallel.cp_balance_split = 16 x 2"):   # the default: balanced
+        P.make_plan(cfg, P.PlanConfig(cp=16, world_size=16, seq_len=1008), hw)
     with pytest.raises(ValueError, match=r"parallel.cp x parallel.tp = 4 x 2"):
         P.make_plan(cfg, P.PlanConfig(cp=4, tp=2, world_size=8, seq_len=12), hw)
     with pytest.raises(ValueError, match=r"parallel.tp\*cp\*pp = 6 does not divide world_size=8"):
@@ -163,7 +168,7 @@ def test_tool_prints_cp(capsys):
     assert "cp: KDA summaries + halos" in out and "+ cp " in out and "parallel.cp=32" in out
 
 
-def _measure_layer_bytes(cp, B, T, kind):
+def _measure_layer_bytes(cp, B, T, kind, balance=False):
     """Max over cp threaded ranks of the bytes comm_log records in one forward + backward of a real
     k3_tiny KDA / MLA layer on its CP segment (fp32, packed rows crossing the CP boundaries)."""
     from megak3.model.kda import KimiDeltaAttention
@@ -179,7 +184,7 @@ def _measure_layer_bytes(cp, B, T, kind):
         torch.manual_seed(0)
         layer = KimiDeltaAttention(cfg) if kind == "kda" else GatedMLA(cfg)
         r = dist.get_rank(group)
-        _, _, seq = ContextParallel(group, cp, r).shard(torch.zeros(B, T, dtype=torch.long), None, cu)
+        _, _, seq = ContextParallel(group, cp, r, balance=balance).shard(torch.zeros(B, T, dtype=torch.long), None, cu)
         x = torch.randn(B, T // cp, cfg.hidden_size, generator=torch.Generator().manual_seed(r)).requires_grad_()
         with comm_log() as log:
             layer(x, seq).square().mean().backward()
@@ -188,17 +193,19 @@ def _measure_layer_bytes(cp, B, T, kind):
     return max(run_threaded(cp, rank_fn, timeout=120))
 
 
+@pytest.mark.parametrize("balance", [False, True], ids=["contiguous", "balanced"])
 @pytest.mark.parametrize("cp,B", [(4, 1), (2, 2)])
-def test_cp_bytes_equal_comm_log_of_real_layers(cp, B):
+def test_cp_bytes_equal_comm_log_of_real_layers(cp, B, balance):
     cfg = load_model_config("k3_tiny", **TINY)
     T = 256
-    pc = P.PlanConfig(cp=cp, world_size=cp, micro_batch_size=B, seq_len=T, precision="fp32").resolved()
+    pc = P.PlanConfig(cp=cp, world_size=cp, micro_batch_size=B, seq_len=T, precision="fp32",
+                      cp_balance=balance).resolved()
     kda, mla = P.cp_layer_figures(cfg, pc, "kda"), P.cp_layer_figures(cfg, pc, "mla")
     got_kda = _measure_layer_bytes(cp, B, T, "kda")
     # cp = 2: no rank is in the middle, so none both sends a halo forward and its gradient back
     want_kda = kda["sent_fwd"] + kda["sent_bwd"] - (kda["halo_bwd"] if cp == 2 else 0)
     assert got_kda == want_kda
-    assert _measure_layer_bytes(cp, B, T, "mla") == mla["sent_fwd"] + mla["sent_bwd"]
+    assert _measure_layer_bytes(cp, B, T, "mla", balance) == mla["sent_fwd"] + mla["sent_bwd"]
 
 
 @pytest.mark.slow

@@ -16,7 +16,11 @@ Parts (each compares a fast path with its twin measured in the same run, or meas
                    16K; --quick 16K and 4K), each measured cold (the first call at that shape, no
                    warm-up; caches emptied, peak reset): ratio ~4 means memory linear in T, ~16
                    quadratic; the block mask equal to torch's create_block_mask, and its own cold
-                   peak at T within 64 B/token + 40 B/tile (no [T, T] tensor)
+                   peak at T within 64 B/token + 40 B/tile (no [T, T] tensor); balanced CP's
+                   megak3/ops/latent_attention.py ``latent_attention()`` (FlexAttention with its
+                   log-sum-exp, ``return_aux``) vs its chunked twin: output, dq, dlatent, dW in bf16
+                   and fp32, one block's (o, lse), fwd+bwd time ratio (CPU dry pass: eager
+                   FlexAttention, forward only)
   c grouped_gemm   megak3/ops/grouped_gemm.py ``grouped_linear``: tiled fp32 and grouped_mm bf16 (direct and
                    under bf16 autocast over fp32 operands, the training path) vs the loop twin;
                    forward and gradients; fwd+bwd time ratios vs the loop; every grouped_mm call of

@@ -154,6 +154,12 @@ class K3Model(nn.Module):
                 if isinstance(m, VisionTower):
                     m.recompute = mode
 
+    def batch_dependent_parameters(self) -> list:
+        """Parameters whose gradient exists only in steps whose batch uses them: the vision tower's
+        (only micro-batches with images run it). Every other parameter gets a gradient in every
+        training step (the ZeRO-1 optimizer relies on it: parallel/data_parallel/grads.py)."""
+        return [] if self.vision is None else list(self.vision.parameters())
+
     @property
     def gradient_checkpointing(self) -> bool:
         """Whole-layer recomputation (``recompute == 'full'``); setting False means 'none'."""

@@ -35,9 +35,9 @@ from the chunk-pair temporaries.
 
 ``reference_attention`` is the dense masked fp32 softmax (O(T^2) memory), the twin for tests.
 
-``latent_attention`` (balanced CP, ``parallel.cp_balance``) runs the same chunked online softmax on
-keys/values it expands from a latent itself, one key block at a time, merging the blocks' outputs by
-their log-sum-exp; its backward re-expands block by block (pure torch on every device).
+``latent_attention`` (balanced CP, ``parallel.cp_balance``) lives in megak3/ops/latent_attention.py:
+the same softmax on K/V it expands from a latent one key block at a time (this module's chunked
+loop on CPU, FlexAttention with its log-sum-exp on CUDA).
 
 ``attention`` is the entry point: without document ids it calls
 ``F.scaled_dot_product_attention(is_causal=True)`` on any device (its CPU and CUDA flash kernels keep
@@ -257,97 +257,6 @@ def chunked_attention(q_BHTK, k_BHTK, v_BHTV, scale: float, doc_ids_BT: Optional
                                    int(q_offset))
 
 
-def _key_blocks(q_pos0: int, Tq: int, Tk: int, k_block: int):
-    """(k0, k1) of the key blocks with some key not in the future of the last query."""
-    last = min(Tk, q_pos0 + Tq)
-    return [(k0, min(k0 + k_block, Tk)) for k0 in range(0, last, k_block)]
-
-
-def _block_plan(Tq, q_chunk, k_chunk, doc_q_BT, doc_k_BT, q_pos0, k0, k1):
-    doc_k = None if doc_k_BT is None else doc_k_BT[:, k0:k1]
-    return _Plan(Tq, q_chunk, k_chunk, doc_k, q_pos0 - k0, k1 - k0, None if doc_k is None else doc_q_BT)
-
-
-class _LatentAttention(torch.autograd.Function):
-    """Attention of queries against keys/values expanded from a latent one key block at a time;
-    the blocks' (o, lse) merged by log-sum-exp. Backward re-expands each block and runs the flash
-    backward of that block against the final lse, then backpropagates dK, dV through the expansion."""
-
-    @staticmethod
-    def forward(ctx, q, latent, doc_q, doc_k, expand, scale, q_pos0, k_block, q_chunk, k_chunk, *params):
-        B, H, Tq, _ = q.shape
-        o_acc = lse_acc = None
-        for k0, k1 in _key_blocks(q_pos0, Tq, latent.shape[1], k_block):
-            plan = _block_plan(Tq, q_chunk, k_chunk, doc_q, doc_k, q_pos0, k0, k1)
-            k, v = expand(latent[:, k0:k1])
-            o, lse = _forward(q, k, v, None if doc_k is None else doc_k[:, k0:k1], scale, plan)
-            del k, v
-            o = o.float()
-            if o_acc is None:
-                o_acc, lse_acc = o, lse
-                continue
-            new = torch.logaddexp(lse_acc, lse)
-            safe = new.masked_fill(new == float("-inf"), 0.0)
-            o_acc = o_acc.mul_((lse_acc - safe).exp_().unsqueeze(-1)).add_(o.mul_((lse - safe).exp_().unsqueeze(-1)))
-            lse_acc = new
-        o = o_acc.to(q.dtype)
-        ctx.save_for_backward(q, latent, o, lse_acc, doc_q, doc_k, *params)
-        ctx.expand, ctx.scale, ctx.q_pos0, ctx.k_block, ctx.chunks = expand, scale, q_pos0, k_block, (q_chunk, k_chunk)
-        dev = q.device.type
-        ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
-        return o
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do):
-        q, latent, o, lse, doc_q, doc_k, *params = ctx.saved_tensors
-        Tq = q.shape[2]
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dlatent = torch.zeros(latent.shape, dtype=torch.float32, device=q.device)
-        dparams = [torch.zeros_like(p, dtype=torch.float32) for p in params]
-        dev, enabled, dtype = ctx.autocast
-        for k0, k1 in _key_blocks(ctx.q_pos0, Tq, latent.shape[1], ctx.k_block):
-            plan = _block_plan(Tq, *ctx.chunks, doc_q, doc_k, ctx.q_pos0, k0, k1)
-            lat = latent[:, k0:k1].detach().requires_grad_()
-            with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
-                k, v = ctx.expand(lat)
-            dq_j, dk, dv = _backward(do, q, k.detach(), v.detach(), o, lse,
-                                     None if doc_k is None else doc_k[:, k0:k1], ctx.scale, plan)
-            dq.add_(dq_j)
-            grads = torch.autograd.grad((k, v), [lat, *params], (dk.to(k.dtype), dv.to(v.dtype)),
-                                        allow_unused=True)
-            dlatent[:, k0:k1] = grads[0].float()
-            for acc, g in zip(dparams, grads[1:]):
-                if g is not None:
-                    acc.add_(g.float())
-        return (dq.to(q.dtype), dlatent.to(latent.dtype), None, None, None, None, None, None, None, None,
-                *[g.to(p.dtype) for g, p in zip(dparams, params)])
-
-
-def latent_attention(q_BHTK, latent_BTL, expand, params, scale: float, doc_q_BT: Optional[torch.Tensor] = None,
-                     doc_k_BT: Optional[torch.Tensor] = None, q_pos0: int = 0, k_block: int = 1024,
-                     q_chunk: int = DEFAULT_Q_CHUNK, k_chunk: int = DEFAULT_K_CHUNK) -> torch.Tensor:
-    """Causal same-document attention of ``q_BHTK`` (queries at positions ``[q_pos0, q_pos0 + Tq)``)
-    against keys/values expanded from ``latent_BTL`` [B, Tk, L] (keys at positions ``[0, Tk)``), key
-    block by key block: ``expand(latent[:, k0:k1]) -> (k [B, H, n, K], v [B, H, n, V])`` runs on one
-    block of ``k_block`` keys at a time (forward, and again in backward), so at most one block's
-    expanded K/V exists at once; the blocks' partial outputs are merged by their log-sum-exp.
-    ``params``: the tensors ``expand`` reads that need gradients (their gradients are returned).
-    ``doc_q_BT`` [B, Tq] / ``doc_k_BT`` [B, Tk]: document ids (both or neither). Key blocks wholly in
-    the future of the last query are skipped (never expanded). Equal to :func:`chunked_attention` of
-    the fully expanded keys with ``q_offset = q_pos0`` (tests/test_cp_balance.py)."""
-    if (doc_q_BT is None) != (doc_k_BT is None):
-        raise ValueError("latent_attention needs both doc_q_BT and doc_k_BT, or neither")
-    if q_pos0 + q_BHTK.shape[2] > latent_BTL.shape[1]:
-        raise ValueError(f"q_pos0={q_pos0} with {q_BHTK.shape[2]} queries needs at least "
-                         f"{q_pos0 + q_BHTK.shape[2]} keys; got {latent_BTL.shape[1]}")
-    dev = q_BHTK.device
-    dq = None if doc_q_BT is None else doc_q_BT.to(dev)
-    dk = None if doc_k_BT is None else doc_k_BT.to(dev)
-    return _LatentAttention.apply(q_BHTK, latent_BTL, dq, dk, expand, float(scale), int(q_pos0), int(k_block),
-                                  int(q_chunk), int(k_chunk), *params)
-
-
 @functools.lru_cache(maxsize=None)
 def _flex_functions():
     """(compiled flex_attention, eager flex_attention, BlockMask), or None when FlexAttention
@@ -383,7 +292,7 @@ def _ordered(blocks_BHQK: torch.Tensor):
 
 
 def flex_block_tiles(doc_BT: Optional[torch.Tensor], B: int, Tq: int, Tk: int, q_offset: int, device,
-                     block: int = FLEX_BLOCK):
+                     block: int = FLEX_BLOCK, doc_q_BT: Optional[torch.Tensor] = None):
     """(partial, full): bool ``[B, 1, ceil(Tq / block), ceil(Tk / block)]`` tiles of the mask of
     :func:`flex_block_mask`, computed from block bounds only (never a [Tq, Tk] tensor).
 
@@ -397,7 +306,9 @@ def flex_block_tiles(doc_BT: Optional[torch.Tensor], B: int, Tq: int, Tk: int, q
     tests/test_flex_memory.py); with other ids a tile whose ranges overlap without a common id is
     marked partial where create_block_mask leaves it empty (the kernel then applies the
     per-entry mask there: same attention, some wasted work). Memory: O(B * T) for the per-tile
-    min / max ids plus O(B * (Tq/block) * (Tk/block)) for the tiles; no device-to-host copy."""
+    min / max ids plus O(B * (Tq/block) * (Tk/block)) for the tiles; no device-to-host copy.
+    ``doc_q_BT`` [B, Tq]: the queries' ids when they are not ``doc_BT[:, q_offset:q_offset + Tq]``
+    (a key block of latent_attention: ``q_offset`` may then be negative or exceed Tk - Tq)."""
     nq, nk = -(-Tq // block), -(-Tk // block)
     qs = torch.arange(nq, device=device) * block
     ks = torch.arange(nk, device=device) * block
@@ -408,7 +319,7 @@ def flex_block_tiles(doc_BT: Optional[torch.Tensor], B: int, Tq: int, Tk: int, q
         & ((ke - ks) == block)[None, :]
     some, every = some.expand(B, nq, nk), every.expand(B, nq, nk)
     if doc_BT is not None:
-        qmin, qmax = _chunk_minmax(doc_BT[:, q_offset:q_offset + Tq], block)   # [B, nq]
+        qmin, qmax = _chunk_minmax(doc_BT[:, q_offset:q_offset + Tq] if doc_q_BT is None else doc_q_BT, block)
         kmin, kmax = _chunk_minmax(doc_BT, block)                               # [B, nk]
         some = some & (kmin[:, None, :] <= qmax[:, :, None]) & (kmax[:, None, :] >= qmin[:, :, None])
         one_doc = (qmin == qmax)[:, :, None] & (kmin == kmax)[:, None, :] & (qmin[:, :, None] == kmin[:, None, :])
@@ -428,25 +339,33 @@ def flex_block_mask(doc_BT: Optional[torch.Tensor], B: int, Tq: int, Tk: int, q_
     their ordered indices and the transposed q-side indices FlexAttention's backward reads):
     a peak of 7.5 MiB per row at T = 65,536, growing 4x per doubling of T (tests/test_flex_memory.py
     prints it)."""
-    BlockMask = _flex_functions()[2]
     key = (id(doc_BT), None if doc_BT is None else doc_BT._version, B, Tq, Tk, q_offset, str(device))
     if _block_mask_cache and _block_mask_cache[0][0] == key:
         return _block_mask_cache[0][2]
-    if doc_BT is None:
-        def mask_mod(b, h, q_idx, kv_idx):
-            return kv_idx <= q_idx + q_offset
-    else:
-        doc_q = doc_BT[:, q_offset:q_offset + Tq]
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return (kv_idx <= q_idx + q_offset) & (doc_q[b, q_idx] == doc_BT[b, kv_idx])
-    partial, full = flex_block_tiles(doc_BT, B, Tq, Tk, q_offset, device)
-    kv_num, kv_idx = _ordered(partial)
-    full_num, full_idx = _ordered(full)
-    bm = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=FLEX_BLOCK,
-                                  mask_mod=mask_mod, seq_lengths=(Tq, Tk))
+    bm = build_block_mask(doc_BT, B, Tq, Tk, q_offset, device)
     _block_mask_cache[:] = [(key, doc_BT, bm)]
     return bm
+
+
+def build_block_mask(doc_BT, B: int, Tq: int, Tk: int, q_offset: int, device, doc_q_BT=None, offset_t=None):
+    """:func:`flex_block_mask` without its cache; ``doc_q_BT`` as in :func:`flex_block_tiles`.
+    ``offset_t``: ``q_offset`` as a 0-dim device tensor for the mask function (a compiled kernel
+    then takes it as an input instead of recompiling for every offset)."""
+    BlockMask = _flex_functions()[2]
+    off = q_offset if offset_t is None else offset_t
+    if doc_BT is None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx + off
+    else:
+        doc_q = doc_BT[:, q_offset:q_offset + Tq] if doc_q_BT is None else doc_q_BT
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx + off) & (doc_q[b, q_idx] == doc_BT[b, kv_idx])
+    partial, full = flex_block_tiles(doc_BT, B, Tq, Tk, q_offset, device, doc_q_BT=doc_q_BT)
+    kv_num, kv_idx = _ordered(partial)
+    full_num, full_idx = _ordered(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=FLEX_BLOCK,
+                                    mask_mod=mask_mod, seq_lengths=(Tq, Tk))
 
 
 def flex_document_attention(q_BHTK, k_BHTK, v_BHTV, scale: float, doc_ids_BT: Optional[torch.Tensor] = None,

@@ -53,8 +53,10 @@ class ParamGather:
         if not self._reduced:
             raise RuntimeError("ShardedOptimizer.step before reduce_gradients(): call it after backward")
         self.finish_param_gather()
+        held = self._hold_absent()       # batch-dependent params no rank had a gradient for
         for o in self.optimizers:
             o.step()
+        self._restore_absent(held)
         if self.overlap_param_gather:
             self.gather_log = []
             for k in self._gather_order:

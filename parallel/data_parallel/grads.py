@@ -1,6 +1,13 @@
 """Gradient reduction of the ZeRO-1 optimizer: bucketed reduce-scatter (blocking or overlapped with
 the backward) into the owners' fp32 main gradients, and the global gradient-norm clip.
 
+Which params have a gradient (:meth:`GradReduction._agreed_presence`): decided without a host sync.
+Every rank of a group runs the same model under the same plan, so a param's gradient exists on all
+of them or on none, and this rank's ``grad is not None`` is the answer (checked once, at the first
+step). The model's batch-dependent params (``batch_dependent_parameters()``: the vision tower) are
+always reduced and masked on the device instead: an owned one that no rank had a gradient for keeps
+its value and optimizer state through the step (tests/test_data_parallel.py).
+
 Overlapped reduce-scatter (``overlap_grad_reduce=True``, issue 19 item 4)
     Each param gets a post-accumulate-grad hook. :meth:`GradReduction.start_grad_overlap`, called
     before the backward of the LAST micro-batch of a step, arms them: a bucket's reduce-scatter is
@@ -9,8 +16,7 @@ Overlapped reduce-scatter (``overlap_grad_reduce=True``, issue 19 item 4)
     of a group must match): by descending position of their earliest parameter in
     ``model.parameters()``, i.e. roughly the order backward completes them; a bucket that is ready
     before its predecessors waits for them. :meth:`GradReduction.reduce_gradients` then issues what
-    is left (params that got no gradient on this rank), runs the has-gradient all-reduce, and waits
-    for all handles. Same flat layout, same buffers, same collective: the result is bitwise that of
+    is left (params that got no gradient on this rank) and waits for all handles. Same flat layout, same buffers, same collective: the result is bitwise that of
     the non-overlapped form (tests/test_overlap.py). A gradient accumulated into a param whose bucket
     was already issued raises (it would be lost). Callers that modify gradients between backward and
     ``reduce_gradients`` (TP partial-gradient sums) or interleave other collectives on the same
@@ -80,15 +86,99 @@ class GradReduction:
         shard = torch.empty(b.seg_len, dtype=torch.float32, device=self.device)
         self._inflight[k] = (self._reduce_scatter_async(shard, flat, self.groups[b.group_id]), shard, flat)
 
+    # ---------------------------------------------------------------- which params have a gradient
+    def _agreed_presence(self) -> list[bool]:
+        """Per spec: does the param get a main gradient this step. Host knowledge, no host sync.
+
+        Static rule: whether a param gets a gradient is decided by the model's structure and the
+        layout, the same on every rank of its group (same model, same plan, same code path), except
+        for the params the model declares batch-dependent (``model.batch_dependent_parameters()``,
+        e.g. the vision tower: only micro-batches with images run it). So this rank's own
+        ``grad is not None`` is the group's answer for every other param. A batch-dependent param of
+        a multi-rank group is always reduced (zeros from ranks without a gradient) and always gets a
+        main gradient; whether ANY rank had one stays on the device (``_present``: one all-reduce of
+        0/1 flags, never read on the host), and :meth:`_hold_absent` / :meth:`_restore_absent` undo
+        the optimizer step of an owned one that no rank had a gradient for (param and state
+        unchanged, as when its grad is None).
+
+        The static rule is checked once, at the first call (one host read of the all-reduced
+        flags, not per step): a param that has a gradient on some ranks of its group and not on
+        others, and is not declared, raises there."""
+        has = [s.param.grad is not None for s in self.specs]
+        self._present = {}
+        for gid, g in enumerate(self.groups):
+            if _size(g) == 1:
+                continue
+            if not self._presence_checked:
+                self._check_static_presence(g, self.members[gid], has)
+            dep = [i for i in self.members[gid] if self.batch_dependent[i]]
+            if dep:
+                # filled by scalar writes on the device: no host-to-device copy, no sync
+                part = torch.zeros(len(dep), dtype=torch.float32, device=self.device)
+                for k, i in enumerate(dep):
+                    if has[i]:
+                        part[k] = 1.0
+                dist.all_reduce(part, group=g)
+                for k, i in enumerate(dep):
+                    self._present[i] = part[k] > 0
+                    has[i] = True
+        self._presence_checked = True
+        return has
+
+    def _check_static_presence(self, g, members: list[int], has: list[bool]) -> None:
+        """First step only: every rank of ``g`` agrees on which undeclared params have a gradient."""
+        part = torch.tensor([float(has[i]) for i in members], device=self.device)
+        dist.all_reduce(part, group=g)
+        world = _size(g)
+        odd = [self.specs[i].name for i, v in zip(members, part.tolist())
+               if not self.batch_dependent[i] and v not in (0.0, float(world))]
+        if odd:
+            raise RuntimeError(f"ShardedOptimizer: {len(odd)} params got a gradient on some ranks of their "
+                               f"data-parallel group and not on others (e.g. {odd[:3]}); a param whose use "
+                               "depends on the batch must be listed by the model's batch_dependent_parameters()")
+
+    def _hold_absent(self) -> list:
+        """Before the local step: (main copy, present flag, its value, its optimizer state) of every
+        owned batch-dependent param (:meth:`_agreed_presence`)."""
+        held = []
+        for i, present in self._present.items():
+            m = self.main.get(i)
+            if m is None:
+                continue
+            opt = next(o for o in self.optimizers if any(m is p for grp in o.param_groups for p in grp["params"]))
+            state = {k: v.clone() for k, v in opt.state.get(m, {}).items() if torch.is_tensor(v)}
+            held.append((m, present, m.clone(), opt, state))
+        return held
+
+    @staticmethod
+    def _restore_absent(held: list) -> None:
+        """After the local step: where no rank had a gradient, the param and its optimizer state are
+        put back (state the step created goes back to zeros: the fresh state's values, so the next
+        real step is the first one's)."""
+        for m, present, value, opt, state in held:
+            m.copy_(torch.where(present, m, value))
+            for k, v in opt.state.get(m, {}).items():
+                if torch.is_tensor(v):  # (host-resident state, optim.offload: the flag is read there)
+                    keep = present if v.device == present.device else present.to(v.device)
+                    v.copy_(torch.where(keep, v, state[k] if k in state else torch.zeros_like(v)))
+
+    def _index_tensor(self, idx: tuple) -> torch.Tensor:
+        """``idx`` as a device index tensor, built once per distinct tuple (no per-step host-to-device copy)."""
+        cache = self.__dict__.setdefault("_index_cache", {})
+        if idx not in cache:
+            cache[idx] = torch.tensor(idx, dtype=torch.long, device=self.device)
+        return cache[idx]
+
     # ---------------------------------------------------------------- the step
     @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Sum model gradients over each group into the owners' main copies; release model ``.grad``.
 
-        A param gets a main gradient iff some rank of its group produced one (single-process
-        semantics: Muon/AdamW skip params whose grad is None, weight decay included). After an armed
-        backward (:meth:`start_grad_overlap`) the buckets not yet issued are issued first (in the
-        fixed order), then every handle is waited for.
+        A param is updated iff some rank of its group produced a gradient (single-process semantics:
+        Muon/AdamW skip params whose grad is None, weight decay included), decided without a host
+        sync (see :meth:`_agreed_presence`). After an armed backward (:meth:`start_grad_overlap`)
+        the buckets not yet issued are issued first (in the fixed order), then every handle is
+        waited for.
         """
         self.finish_param_gather()  # buckets whose params no forward used are still in flight
         armed, self._armed = self._armed, False
@@ -96,13 +186,7 @@ class GradReduction:
             for k in self._launch_order[self._next:]:
                 self._launch(k)
             self._next = len(self._launch_order)
-        has = [s.param.grad is not None for s in self.specs]
-        for gid, g in enumerate(self.groups):
-            if _size(g) > 1:
-                part = torch.tensor([float(has[i]) for i in self.members[gid]], device=self.device)
-                dist.all_reduce(part, group=g)
-                for i, v in zip(self.members[gid], part.tolist()):
-                    has[i] = v > 0
+        has = self._agreed_presence()
         self._has_grad = has
         for k, b in enumerate(self.buckets):
             g = self.groups[b.group_id]
@@ -150,12 +234,12 @@ class GradReduction:
                 has[i] = 1.0
         for gid, g in enumerate(self.groups):
             if _size(g) > 1:
-                idx = torch.tensor(self.members[gid], device=self.device)
+                idx = self._index_tensor(tuple(self.members[gid]))
                 part = torch.stack([norms[idx], has[idx]])
                 dist.all_reduce(part, group=g)
                 norms[idx], has[idx] = part[0], part[1]
         if any(self.tp_sharded):  # TP shards: sum squared norms over the TP group
-            idx = torch.tensor([i for i, t in enumerate(self.tp_sharded) if t], device=self.device)
+            idx = self._index_tensor(tuple(i for i, t in enumerate(self.tp_sharded) if t))
             part = torch.stack([norms[idx].square(), has[idx]])
             dist.all_reduce(part, group=self.tp_group)
             norms[idx], has[idx] = part[0].sqrt(), part[1]
@@ -178,9 +262,8 @@ class GradReduction:
             total = (dense_sq + expert_sq).sqrt().reshape(())
         else:
             # which params have a gradient is host knowledge (reduce_gradients): no mask, no sync
-            idx = [i for i, h in enumerate(self._has_grad) if h]
-            total = (torch.linalg.vector_norm(norms[torch.tensor(idx, device=self.device)]) if idx
-                     else norms.new_zeros(()))
+            idx = self._index_tensor(tuple(i for i, h in enumerate(self._has_grad) if h))
+            total = torch.linalg.vector_norm(norms[idx]) if idx.numel() else norms.new_zeros(())
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for m in self.main.values():
             if m.grad is not None:

@@ -95,6 +95,12 @@ class ShardedOptimizer(GradReduction, ParamGather, OptimizerState):
                 self.groups.append(g)
             self.group_of.append(gid)
 
+        dep = getattr(model, "batch_dependent_parameters", None)
+        dep_ids = {id(p) for p in dep()} if callable(dep) else set()
+        self.batch_dependent: list[bool] = [id(s.param) in dep_ids for s in self.specs]
+        """per spec: the model says whether it gets a gradient depends on the batch (grads.py)"""
+        self._presence_checked = False
+        self._present: dict[int, torch.Tensor] = {}
         self.members: list[list[int]] = [[i for i, k in enumerate(self.group_of) if k == gid]
                                          for gid in range(len(self.groups))]
         # ---- ownership and buckets, per group ----

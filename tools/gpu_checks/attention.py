@@ -1,5 +1,6 @@
 """Part b of tools/gpu_check.py: MLA attention (SDPA / FlexAttention) vs its twins, peak memory at T and
-T/4, and the FlexAttention block mask."""
+T/4, the FlexAttention block mask, and balanced CP's latent attention (FlexAttention with its
+log-sum-exp) vs its chunked twin."""
 from __future__ import annotations
 
 import gc
@@ -92,6 +93,99 @@ def _block_mask_checks(dev, T, chk) -> dict:
     return {"T": T, "peak_bytes": peak, "bound_bytes": bound, "dense_int64_mask_bytes": 8 * T * T}
 
 
+def _latent_inputs(dev, dtype, B, H, Tq, Tk, K, V, Lw, seed=3):
+    g = _gen(dev, seed)
+    q = torch.randn(B, H, Tq, K, device=dev, generator=g)
+    lat = torch.randn(B, Tk, Lw, device=dev, generator=g)
+    W = torch.randn(H * (K + V), Lw, device=dev, generator=g) * Lw ** -0.5
+    return [x.to(dtype).requires_grad_() for x in (q, lat, W)]
+
+
+def _expand_of(W, H, K, V):
+    def expand(x):   # MLA's kv_b expansion of the latent: [B, n, L] -> k [B, H, n, K], v [B, H, n, V]
+        kv = (x @ W.t()).view(x.shape[0], x.shape[1], H, K + V).transpose(1, 2)
+        return kv[..., :K], kv[..., K:]
+    return expand
+
+
+def _latent_checks(dev, quick, chk) -> dict:
+    """Balanced CP's MLA core (megak3/ops/latent_attention.py): ``latent_attention()`` -- the
+    FlexAttention form with its log-sum-exp (``return_aux``) on CUDA -- vs the chunked twin
+    (``_LatentAttention``, fp32 math) on the same values: output and the gradients of q, the latent
+    and the expansion weight, bf16 (training) and fp32, with documents and a query block that starts
+    inside a key block (negative offsets); FlexAttention's per-block (o, lse) vs the chunked loop's;
+    fwd+bwd time ratio on CUDA. On CPU (dry pass) the FlexAttention form runs with torch's eager
+    kernel, forward only (torch 2.13 has no FlexAttention backward on CPU)."""
+    from megak3.ops import attention as A
+    from megak3.ops import latent_attention as L
+
+    cuda = dev.type == "cuda"
+    if cuda:
+        B, H, K, V, Lw, kb = 1, 8, 192, 128, 512, (512 if quick else 1024)   # k3_mini MLA widths
+    else:
+        B, H, K, V, Lw, kb = 1, 2, 24, 16, 12, 32
+    Tq, Tk = kb, 4 * kb
+    q_pos0 = Tk - Tq - kb // 2                 # the queries start half-way into a key block
+    scale = K ** -0.5
+    doc_k = _docs_BT(B, Tk, dev)
+    doc_q = doc_k[:, q_pos0:q_pos0 + Tq]
+    out = {"shape": {"B": B, "H": H, "Tq": Tq, "Tk": Tk, "K": K, "V": V, "L": Lw, "k_block": kb}}
+    do = torch.randn(B, H, Tq, V, device=dev, generator=_gen(dev, 11))
+    if not cuda:
+        L._probed.clear()
+    failed_before = A._flex_failed
+    for dt_name, dt, tol in (("bf16", torch.bfloat16, TOL_BF16), ("fp32", torch.float32, TOL_FP32_TRITON if cuda
+                                                                       else TOL_FP32)):
+        ins = _latent_inputs(dev, dt, B, H, Tq, Tk, K, V, Lw)
+        ref_in = [x.detach().float().requires_grad_() for x in ins]
+
+        def twin(q, lat, W):
+            return L._LatentAttention.apply(q, lat, doc_q, doc_k, _expand_of(W, H, K, V), scale, q_pos0, kb,
+                                            A.DEFAULT_Q_CHUNK, A.DEFAULT_K_CHUNK, W)
+
+        ro, rgr = _grads(twin, ref_in, do)
+        if cuda:   # the dispatcher: FlexAttention with lse unless its probe failed
+            o, gr = _grads(lambda q, lat, W: L.latent_attention(q, lat, _expand_of(W, H, K, V), [W], scale, doc_q,
+                                                                doc_k, q_pos0, kb), ins, do.to(dt))
+            for n, a, b in zip(("q", "latent", "W"), gr, rgr):
+                chk.close(f"latent/{dt_name}/d{n}", a.float(), b, tol)
+        else:
+            with torch.no_grad():
+                o = L._FlexLatentAttention.apply(
+                    *[x.detach() for x in ins[:2]], doc_q, doc_k, _expand_of(ins[2].detach(), H, K, V), scale,
+                    q_pos0, kb, lambda *a: L.flex_block_lse(*a, compiled=False), ins[2].detach())
+        chk.close(f"latent/{dt_name}/flex_lse_vs_chunked_twin", o.float(), ro, tol)
+    out["path"] = ("FlexAttention eager, forward only (CPU)" if not cuda else
+                   "chunked twin (FlexAttention not importable)" if A._flex_functions() is None else
+                   "chunked twin (FlexAttention with lse failed)" if A._flex_failed and not failed_before else
+                   "FlexAttention with lse")
+    # one block's (o, lse): queries before, inside and after the block's keys
+    g = _gen(dev, 5)
+    qb, kk, vv = (torch.randn(B, H, n, d, device=dev, generator=g) for n, d in ((Tq, K), (kb, K), (kb, V)))
+    off = -(kb // 2)
+    plan = A._Plan(Tq, 64, 64, doc_k[:, :kb], off, kb, doc_q)
+    o_ref, lse_ref = A._forward(qb, kk, vv, doc_k[:, :kb], scale, plan)
+    with torch.no_grad():
+        o_f, lse_f = L.flex_block_lse(qb, kk, vv, scale, doc_q, doc_k[:, :kb], off, compiled=cuda)
+    fin = torch.isfinite(lse_ref)
+    chk.require("latent/block/lse_masked_rows", torch.equal(fin, torch.isfinite(lse_f)),
+                "FlexAttention's -inf rows (queries before every key of the block) differ from the twin's")
+    chk.close("latent/block/lse", lse_f[fin], lse_ref[fin], TOL_FP32_TRITON if cuda else TOL_FP32)
+    chk.close("latent/block/o", o_f.float(), o_ref, TOL_FP32_TRITON if cuda else TOL_FP32)
+    if cuda and out["path"] == "FlexAttention with lse":
+        ins = _latent_inputs(dev, torch.bfloat16, B, H, Tq, Tk, K, V, Lw)
+
+        def fwd_bwd(fn):
+            return lambda: fn(*ins).backward(do.bfloat16())
+        t_new = timed(fwd_bwd(lambda q, lat, W: L.latent_attention(q, lat, _expand_of(W, H, K, V), [W], scale,
+                                                                   doc_q, doc_k, q_pos0, kb)), dev, 3)
+        t_twin = timed(fwd_bwd(lambda q, lat, W: L._LatentAttention.apply(
+            q, lat, doc_q, doc_k, _expand_of(W, H, K, V), scale, q_pos0, kb, A.DEFAULT_Q_CHUNK,
+            A.DEFAULT_K_CHUNK, W)), dev, 2)
+        out.update(fwd_bwd_s=t_new, chunked_twin_fwd_bwd_s=t_twin, speedup_vs_chunked=t_twin / t_new)
+    return out
+
+
 def part_mla_attention(dev, quick, ctx):
     from megak3.ops import attention as A
 
@@ -147,6 +241,12 @@ def part_mla_attention(dev, quick, ctx):
                              "FlexAttention")
     if flex_warn:
         out["flex_warning"] = flex_warn[0][:300]
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        out["latent"] = _latent_checks(dev, quick, chk)
+    latent_warn = [str(w.message) for w in rec if "log-sum-exp" in str(w.message)]
+    if latent_warn:
+        out["latent"]["flex_warning"] = latent_warn[0][:300]
     if cuda:
         t_hi = 16384 if quick else 65536
         mem = {}

@@ -165,7 +165,10 @@ def cp_layer_figures(cfg: ModelConfig, pc: PlanConfig, kind: str) -> dict:
         # + the computed query blocks' q, o and lse (fp32) saved by latent_attention
         out["saved"] = out["prefix_bytes_per_key"] * B * T + t * H * (qk + v + 1) * 4
         out["latent_fwd"] = out["latent_bwd"] = (cp - 1) * t * L * a
-        moved = t * H * (qk + v) * 4                                 # q out, o back (fp32); reversed in backward
+        # q out, o back (fp32; reversed in backward) for the local query blocks another rank computes,
+        # on the rank that hands off most of them (head-tail pairing, one document per row: half of
+        # them at cp 2, all of them on some rank from cp 4 on)
+        moved = t * H * (qk + v) * 4 * _handed_off(pc.cp, pc.cp_balance_split)
         out["sent_fwd"], out["sent_bwd"] = out["latent_fwd"] + moved, out["latent_bwd"] + moved
     elif kind == "mla":
         m = cfg.mla
@@ -229,3 +232,12 @@ def head_activations(cfg: ModelConfig, pc: PlanConfig) -> float:
     # the AttnRes/norm part sees t_sp tokens; the vocab-parallel logits all t tokens
     c = _coef("head", pc.precision)
     return max(0.0, (c["Nd"] * f["Nd"] + c["d"] * f["d"] + c.get("one", 0.0)) * t_sp + c["V"] * f["V"] * t)
+
+
+def _handed_off(cp: int, split: int) -> float:
+    """Largest share of one CP rank's query blocks that the balanced schedule computes on another
+    rank (parallel/context_parallel.py ``balanced_blocks``, one document per row)."""
+    from parallel.context_parallel import balanced_blocks
+
+    return max(len(set(range(split * r, split * (r + 1))) - set(balanced_blocks(cp, r, None, split)))
+               for r in range(cp)) / split

@@ -42,4 +42,8 @@ def usage() -> str:
         for n, tp, v, d in rows:
             v = "null" if v is None else str(v).lower() if isinstance(v, bool) else v
             lines.append(f"  {f'{n}={v}':<{width}}  {tp}: {d}")
+    recipes = groups().get("experiment", [])
+    if recipes:
+        lines += ["", f"experiment (conf/experiment/: {', '.join(recipes)}; default none): a named recipe that sets "
+                  "several groups and fields at once (each file's first lines say what it runs); later overrides win"]
     return "\n".join(lines)

@@ -26,6 +26,7 @@ import runpy
 import shlex
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -136,18 +137,16 @@ def _run_module(module: str, args: list) -> str:
     out = io.StringIO()
     old_argv = sys.argv
     sys.argv = [module] + args
-    # run it fresh, as ``python -m`` would: a copy imported earlier in this process would make runpy
-    # warn that the module is executed a second time
-    prior = sys.modules.pop(module, None)
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), warnings.catch_warnings():
+            # in this one process a module may already be imported (by its package or an earlier command):
+            # runpy then warns that it runs a second copy as __main__, which ``python -m`` never does
+            warnings.filterwarnings("ignore", "'.*' found in sys.modules after import of package", RuntimeWarning)
             runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as e:
         assert e.code in (0, None), (module, args, e.code, out.getvalue()[-2000:])
     finally:
         sys.argv = old_argv
-        if prior is not None:
-            sys.modules[module] = prior
     return out.getvalue()
 
 

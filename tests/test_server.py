@@ -196,11 +196,11 @@ def test_metrics_count_what_was_served(served):
 
 
 class _GatedEngine:
-    """The real engine, its first ``step`` held until ``release`` is set (later steps sleep ``delay``);
+    """The real engine, its first ``step`` held until ``gate`` is set (later steps sleep ``delay``);
     records the prompt of every ``begin``, its handle, and the handles and tokens of every step."""
 
     def __init__(self, engine, delay=0.0):
-        self.engine, self.release, self.delay = engine, threading.Event(), delay
+        self.engine, self.gate, self.delay = engine, threading.Event(), delay
         self.begun, self.handles, self.calls, self.made = [], [], [], []
 
     def __getattr__(self, name):
@@ -215,7 +215,7 @@ class _GatedEngine:
     def step(self, handles=None):
         self.calls.append(len(handles))
         if len(self.calls) == 1:
-            assert self.release.wait(60)
+            assert self.gate.wait(60)
         time.sleep(self.delay)
         out = self.engine.step(handles)
         self.made.append(len(out))
@@ -249,7 +249,7 @@ def test_requests_that_arrive_together_share_one_engine_step(served):
         for t in rest:
             t.start()
         _wait(lambda: app.state.client.q.qsize() == 5, "five queued")
-        gated.release.set()
+        gated.gate.set()
         for t in [first] + rest:
             t.join(60)
         assert gated.calls[:2] == [1, 6]              # the five waiting requests joined the running one
@@ -279,7 +279,7 @@ def test_concurrent_streams_share_decode_steps(served):
         for t in ts[1:]:
             t.start()
         _wait(lambda: app.state.client.q.qsize() == 3, "three queued")
-        gated.release.set()
+        gated.gate.set()
         for t in ts:
             t.join(60)
     assert sum(gated.made) == 32 and len(gated.calls) < 16 and max(gated.made) == 4, (gated.calls, gated.made)
@@ -316,7 +316,7 @@ def _post(port, body):
 def test_uvicorn_socket_streams_in_pieces_and_a_disconnect_aborts_the_sequence(served):
     _, model, tok, engine, _ = served
     gated = _GatedEngine(engine, delay=0.05)
-    gated.release.set()
+    gated.gate.set()
     app = make_app(gated, "tiny")
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
@@ -346,7 +346,7 @@ def test_uvicorn_socket_streams_in_pieces_and_a_disconnect_aborts_the_sequence(s
         hang_up_after_tokens(body, 3)                     # a non-streamed request, mid-decode
         # a queued request whose client went away is dropped: hold one engine step, queue a second, hang up
         gated.calls.clear()
-        gated.release.clear()
+        gated.gate.clear()
         begun = len(gated.begun)
         held = threading.Thread(target=lambda: _post(port, {"prompt": "a", "max_tokens": 2}), daemon=True)
         held.start()
@@ -358,7 +358,7 @@ def test_uvicorn_socket_streams_in_pieces_and_a_disconnect_aborts_the_sequence(s
         conn.sock.shutdown(2)
         conn.close()
         time.sleep(1.0)                                 # the server polls for a disconnect every 0.25 s
-        gated.release.set()
+        gated.gate.set()
         held.join(60)
         assert gated.begun[begun:] == [tok.encode("a")]   # the hung-up request never reached the engine
         # and the server goes on serving

@@ -51,7 +51,7 @@ class Result:
     top: List[List[Tuple[int, float]]] = field(default_factory=list)   # per token: [(id, logprob)] best first
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
     stream: bool
     reqs: List[Request]
@@ -155,12 +155,16 @@ class EngineClient:
                 for j in list(self._jobs):
                     self._fail(j, InferenceError("the server is shutting down"))
                 return
-            for j in incoming:
-                self._begin(j)
-            for j in [j for j in self._jobs if j.cancel.is_set()]:
-                self._end(j, abort=True)
-            if self._jobs:
-                self._step()
+            try:
+                for j in incoming:
+                    self._begin(j)
+                for j in [j for j in self._jobs if j.cancel.is_set()]:
+                    self._end(j, abort=True)
+                if self._jobs:
+                    self._step()
+            except Exception as e:  # noqa: BLE001 - a fault fails the running jobs; the thread goes on
+                for j in list(self._jobs):
+                    self._fail(j, e)
 
     def _begin(self, job: _Job) -> None:
         if job.cancel.is_set():   # the client went away before it started: never reaches the engine
@@ -243,7 +247,8 @@ class EngineClient:
         try:
             self._end(job, abort=True)
         except Exception:  # noqa: BLE001 - the engine may be broken; the job is failed either way
-            pass
+            if job in self._jobs:
+                self._jobs.remove(job)
         self._deliver(job, [err])
 
     @staticmethod

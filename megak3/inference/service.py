@@ -13,8 +13,8 @@ Sampling: ``max_tokens`` (chat also ``max_completion_tokens``) default 16, ``tem
 given. ``logprobs``: each generated token's log probability under the distribution it was sampled
 from (temperature and top-k / top-p applied; greedy: the model's own), with the ``top_logprobs`` /
 completions ``logprobs`` = k most likely alternatives of that same distribution (the engine's, at
-sampling time; tokens truncation removed are not listed); streams carry them too. A prompt of ``max_model_len`` tokens or more is refused; a shorter one
-generates at most up to the context.
+sampling time; tokens truncation removed are not listed); streams carry them too. A prompt of
+``max_model_len`` tokens or more is refused; a shorter one generates at most up to the context.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
 import torch
 
-from .types import Completion, InferenceError
+from .types import Completion
 
 
 class ClientDisconnected(Exception):
@@ -153,7 +153,7 @@ class EngineClient:
                     break
             if None in incoming:
                 for j in list(self._jobs):
-                    self._fail(j, InferenceError("the server is shutting down"))
+                    self._fail(j, RuntimeError("the server is shutting down"))
                 return
             try:
                 for j in incoming:

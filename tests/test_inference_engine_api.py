@@ -165,3 +165,49 @@ def test_a_lone_sequence_completes_in_a_pool_that_fits_it_alone(model):
     got = eng.generate([p], sp)[0]                                     # hits it, then outgrows it
     assert eng.cache.stats["hits"] == 1 and eng.cache.stats["evicted_checkpoints"] >= 1
     assert got.token_ids == want.token_ids
+
+
+def _processed_logprobs(logits_V, temperature, top_k, top_p):
+    """The distribution sampled, written out by hand: logits / T, the top_k kept, then the smallest set
+    of most likely tokens reaching top_p kept, renormalised."""
+    z = logits_V.double() / temperature
+    z = torch.where(z >= z.topk(top_k).values[-1], z, torch.tensor(float("-inf"), dtype=z.dtype))
+    p = torch.softmax(z, -1)
+    order = p.argsort(descending=True)
+    keep = torch.zeros_like(p, dtype=torch.bool)
+    mass = 0.0
+    for i in order.tolist():
+        keep[i] = True
+        mass += float(p[i])
+        if mass >= top_p:
+            break
+    return torch.log_softmax(torch.where(keep, z, torch.tensor(float("-inf"), dtype=z.dtype)), -1)
+
+
+def test_top_logprobs_come_from_the_sampled_distribution(model):
+    """SamplingParams.top_logprobs: per token, the k most likely (id, logprob) of the distribution the
+    token was drawn from, equal to the training forward's (greedy: its log_softmax, which is also
+    what the server used to compute with one next_logits prefill per prefix)."""
+    eng = Engine(model, page_size=4, checkpoint_interval=8, prefill_chunk=8, num_pages=400)
+    prompt = _ids(9, 5)
+    greedy = eng.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True, top_logprobs=4))[0]
+    assert len(greedy.top_logprobs) == 5
+    old = eng.next_logits([prompt + greedy.token_ids[:i] for i in range(5)])   # the old O(len^2) way
+    for row, got in zip(torch.log_softmax(old, -1), greedy.top_logprobs):
+        v, i = row.topk(4)
+        assert [t for t, _ in got] == i.tolist() and [x for _, x in got] == pytest.approx(v.tolist(), abs=1e-5)
+    sp = dict(max_tokens=6, ignore_eos=True, temperature=0.8, top_k=6, top_p=0.9, seed=3)
+    plain = eng.generate([prompt], SamplingParams(**sp))[0]
+    c = eng.generate([prompt], SamplingParams(**sp, top_logprobs=8))[0]
+    assert plain.top_logprobs is None and c.token_ids == plain.token_ids   # asking changes no token
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1:-1]
+    for k, (row, got) in enumerate(zip(logits, c.top_logprobs)):
+        ref = _processed_logprobs(row, 0.8, 6, 0.9)
+        kept = int(torch.isfinite(ref).sum())
+        v, i = ref.topk(kept)
+        assert len(got) == kept <= 6 and [t for t, _ in got] == i.tolist()   # truncated tokens not listed
+        assert [x for _, x in got] == pytest.approx(v.tolist(), abs=1e-4)
+        assert c.logprobs[k] == pytest.approx(float(ref[c.token_ids[k]]), abs=1e-4)
+    with pytest.raises(InferenceError, match="top_logprobs"):
+        eng.begin(prompt, SamplingParams(top_logprobs=-1))

@@ -1,7 +1,8 @@
 """The OpenAI server (megak3/inference/server.py on FastAPI): completions, chat, n, seeds, logprobs and
-top_logprobs (also streamed) against the training forward; concurrent requests batched into one engine
-call; Prometheus metrics; images in chat messages. Driven by FastAPI's TestClient, plus one real uvicorn
-socket (streaming in pieces, a client that disconnects frees its sequence) and the real
+top_logprobs (also streamed) against the training forward; concurrent requests and streams sharing
+engine steps; an engine refusal of a stream as a 400 JSON; Prometheus metrics; images in chat
+messages. Driven by FastAPI's TestClient, plus one real uvicorn socket (streaming in pieces, a client
+that disconnects, streamed or not, aborts its sequence) and the real
 ``python -m megak3.generate serve`` process. Malformed requests: tests/test_server_errors.py."""
 import base64
 import http.client
@@ -183,7 +184,7 @@ def test_metrics_count_what_was_served(served):
     assert _metric(a, "megak3_generation_tokens_total") - _metric(before, "megak3_generation_tokens_total") == 8
     assert r["usage"]["completion_tokens"] == 5
     assert _metric(a, "megak3_time_to_first_token_seconds_count") == \
-        _metric(before, "megak3_time_to_first_token_seconds_count") + 1
+        _metric(before, "megak3_time_to_first_token_seconds_count") + 2   # streamed or not: every request
     assert _metric(a, 'megak3_requests_total{status="400"}') >= 1
     assert _metric(a, "megak3_requests_running") == 0 and _metric(a, "megak3_requests_waiting") == 0
     assert 0 < _metric(a, "megak3_cache_pages_peak") == engine.cache_stats()["peak_pages"]
@@ -195,33 +196,40 @@ def test_metrics_count_what_was_served(served):
 
 
 class _GatedEngine:
-    """The real engine, its first generate call held until ``release`` is set; records the number of
-    prompts of every call. Its stream yields slowly and records how many tokens it gave."""
+    """The real engine, its first ``step`` held until ``gate`` is set (later steps sleep ``delay``);
+    records the prompt of every ``begin``, its handle, and the handles and tokens of every step."""
 
-    def __init__(self, engine):
-        self.engine, self.calls, self.release = engine, [], threading.Event()
-        self.streamed, self.stream_closed = [], threading.Event()
+    def __init__(self, engine, delay=0.0):
+        self.engine, self.gate, self.delay = engine, threading.Event(), delay
+        self.begun, self.handles, self.calls, self.made = [], [], [], []
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def generate(self, prompts, params, images=None):
-        self.calls.append(len(prompts))
+    def begin(self, prompt, params, images=None):
+        h = self.engine.begin(prompt, params, images)
+        self.begun.append(list(prompt))
+        self.handles.append(h)
+        return h
+
+    def step(self, handles=None):
+        self.calls.append(len(handles))
         if len(self.calls) == 1:
-            assert self.release.wait(60)
-        return self.engine.generate(prompts, params, images)
-
-    def stream(self, prompt, params, images=None):
-        try:
-            for item in self.engine.stream(prompt, params, images):
-                self.streamed.append(item)
-                time.sleep(0.05)
-                yield item
-        finally:
-            self.stream_closed.set()
+            assert self.gate.wait(60)
+        time.sleep(self.delay)
+        out = self.engine.step(handles)
+        self.made.append(len(out))
+        return out
 
 
-def test_requests_that_arrive_together_share_one_engine_call(served):
+def _wait(cond, what, timeout=30):
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, what
+        time.sleep(0.01)
+
+
+def test_requests_that_arrive_together_share_one_engine_step(served):
     from fastapi.testclient import TestClient
 
     _, model, tok, engine, _ = served
@@ -236,21 +244,63 @@ def test_requests_that_arrive_together_share_one_engine_call(served):
 
         first = threading.Thread(target=worker, args=(0,))
         first.start()
-        deadline = time.time() + 30
-        while not gated.calls and time.time() < deadline:
-            time.sleep(0.01)
+        _wait(lambda: gated.calls, "first step")
         rest = [threading.Thread(target=worker, args=(i,)) for i in range(1, 6)]
         for t in rest:
             t.start()
-        while app.state.client.q.qsize() < 5 and time.time() < deadline:
-            time.sleep(0.01)
-        gated.release.set()
+        _wait(lambda: app.state.client.q.qsize() == 5, "five queued")
+        gated.gate.set()
         for t in [first] + rest:
             t.join(60)
-        assert gated.calls == [1, 5]                          # the five waiting requests went in one call
+        assert gated.calls[:2] == [1, 6]              # the five waiting requests joined the running one
         for i, p in enumerate(prompts):
             ref = greedy_reference(model, tok.encode(p), 4, eos=tok.eos_id)
             assert got[i].status_code == 200 and got[i].json()["choices"][0]["text"] == shown(tok, ref)
+
+
+def test_concurrent_streams_share_decode_steps(served):
+    """4 streams that arrive together finish in fewer engine steps than two run one after another
+    (alone each takes 1 prefill step + 7 decode steps), with 4 tokens made by one step."""
+    from fastapi.testclient import TestClient
+
+    _, model, tok, engine, _ = served
+    gated = _GatedEngine(engine)
+    app = make_app(gated, "tiny")
+    prompts = ["def main(", "class Point:", "the quick", "import os"]
+    got = {}
+    with TestClient(app) as c:
+        def worker(i):
+            got[i] = c.post("/v1/completions", json={"prompt": prompts[i], "max_tokens": 8, "temperature": 0,
+                                                     "ignore_eos": True, "stream": True})
+
+        ts = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        ts[0].start()
+        _wait(lambda: gated.calls, "first step")
+        for t in ts[1:]:
+            t.start()
+        _wait(lambda: app.state.client.q.qsize() == 3, "three queued")
+        gated.gate.set()
+        for t in ts:
+            t.join(60)
+    assert sum(gated.made) == 32 and len(gated.calls) < 16 and max(gated.made) == 4, (gated.calls, gated.made)
+    for i, p in enumerate(prompts):
+        text = "".join(e["choices"][0]["text"] for e in sse_events(got[i].text))
+        assert text == tok.decode(greedy_reference(model, tok.encode(p), 8))
+
+
+def test_an_engine_refusal_of_a_stream_is_a_400_json_before_any_event(served):
+    from fastapi.testclient import TestClient
+
+    _, model, tok, _, _ = served
+    small = Engine(model, tok, num_pages=3)            # 48 tokens of pool: a 60-token request never fits
+    with TestClient(make_app(small, "tiny")) as c:
+        for stream in (True, False):
+            r = c.post("/v1/completions", json={"prompt": "def", "max_tokens": 60, "stream": stream})
+            assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text
+            assert "num_pages" in r.json()["error"]["message"]
+        r = c.post("/v1/completions", json={"prompt": "def", "max_tokens": 3, "temperature": 0, "stream": True})
+        assert r.status_code == 200 and sse_events(r.text)[-1]["choices"][0]["finish_reason"]
+        assert not small.live()
 
 
 def _post(port, body):
@@ -263,48 +313,54 @@ def _post(port, body):
         conn.close()
 
 
-def test_uvicorn_socket_streams_in_pieces_and_a_disconnect_frees_the_sequence(served):
+def test_uvicorn_socket_streams_in_pieces_and_a_disconnect_aborts_the_sequence(served):
     _, model, tok, engine, _ = served
-    gated = _GatedEngine(engine)
-    gated.release.set()
+    gated = _GatedEngine(engine, delay=0.05)
+    gated.gate.set()
     app = make_app(gated, "tiny")
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
     server = uvicorn_server(app)
     th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
-    try:
-        body = json.dumps({"prompt": "def", "max_tokens": 80, "temperature": 0, "ignore_eos": True,
-                           "stream": True}).encode()
+
+    def hang_up_after_tokens(body, tokens):
+        n = len(gated.handles)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/event-stream")
-        first = resp.readline()                     # the first event arrives before the stream ends
-        assert first.startswith(b"data: {") and len(gated.streamed) < 80
+        conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json"})
+        if body.get("stream"):
+            resp = conn.getresponse()
+            assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/event-stream")
+            assert resp.readline().startswith(b"data: {")   # the first event arrives before the stream ends
+        _wait(lambda: len(gated.handles) > n and len(gated.handles[n].token_ids) >= tokens, "tokens made")
+        h = gated.handles[n]
         conn.sock.shutdown(2)
         conn.close()
-        assert gated.stream_closed.wait(30)           # the engine's stream was closed: its pages are freed
-        assert len(gated.streamed) < 80 and not engine.cache.seqs
-        # a queued request whose client went away is dropped: hold one engine call, queue a second, hang up
+        _wait(lambda: h.finish_reason == "abort", "aborted")   # streamed or not: the engine aborted it
+        assert len(h.token_ids) < 80 and h not in engine.live() and not engine.cache.seqs
+
+    try:
+        body = {"prompt": "def", "max_tokens": 80, "temperature": 0, "ignore_eos": True}
+        hang_up_after_tokens({**body, "stream": True}, 1)
+        hang_up_after_tokens(body, 3)                     # a non-streamed request, mid-decode
+        # a queued request whose client went away is dropped: hold one engine step, queue a second, hang up
         gated.calls.clear()
-        gated.release.clear()
+        gated.gate.clear()
+        begun = len(gated.begun)
         held = threading.Thread(target=lambda: _post(port, {"prompt": "a", "max_tokens": 2}), daemon=True)
         held.start()
-        deadline = time.time() + 30
-        while not gated.calls and time.time() < deadline:
-            time.sleep(0.01)
+        _wait(lambda: gated.calls, "held step")
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "b", "max_tokens": 2}).encode(),
                      headers={"Content-Type": "application/json"})
-        while app.state.client.q.qsize() < 1 and time.time() < deadline:
-            time.sleep(0.01)
+        _wait(lambda: app.state.client.q.qsize() >= 1, "queued")
         conn.sock.shutdown(2)
         conn.close()
         time.sleep(1.0)                                 # the server polls for a disconnect every 0.25 s
-        gated.release.set()
+        gated.gate.set()
         held.join(60)
-        assert gated.calls == [1]                       # the hung-up request never reached the engine
+        assert gated.begun[begun:] == [tok.encode("a")]   # the hung-up request never reached the engine
         # and the server goes on serving
         r = _post(port, {"prompt": "def", "max_tokens": 3, "temperature": 0})
         assert r["choices"][0]["text"] == shown(tok, greedy_reference(model, tok.encode("def"), 3, tok.eos_id))

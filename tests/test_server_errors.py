@@ -158,7 +158,7 @@ def test_bodies_routes_methods_and_oversize(client):
 
 
 class _FaultyEngine:
-    """The real engine whose next generate call raises a server-side error once."""
+    """The real engine whose next step raises a server-side error once."""
 
     def __init__(self, engine):
         self.engine, self.fail = engine, True
@@ -166,11 +166,11 @@ class _FaultyEngine:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def generate(self, prompts, params, images=None):
+    def step(self, handles=None):
         if self.fail:
             self.fail = False
             raise RuntimeError("simulated fault")
-        return self.engine.generate(prompts, params, images)
+        return self.engine.step(handles)
 
 
 def test_a_server_fault_is_a_json_500_and_the_server_goes_on(tmp_path):

@@ -7,7 +7,7 @@
     loading.py   megak3 checkpoints of any layout and Hugging Face directories
     types.py     SamplingParams, Completion, Scored, InferenceError
     cli.py       python -m megak3.generate;  server.py  its ``serve`` command (FastAPI + uvicorn), over
-                 api_models.py (schemas), service.py (OpenAI logic), engine_client.py (the engine thread),
+                 api_models.py (schemas), service.py (OpenAI logic), engine_client.py (the engine thread: begin/step),
                  metrics.py (Prometheus), media.py (images of requests)
 """
 from .cache import CacheConfig, CacheManager

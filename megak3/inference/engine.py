@@ -39,7 +39,9 @@ _ENGINE_IDS = itertools.count(1)
 @dataclass(eq=False)
 class SeqHandle:
     """One sequence of an :class:`Engine` (``Engine.begin``). Read ``id``, ``prompt``, ``token_ids``,
-    ``logprobs``, ``finish_reason``, ``finished``, ``paused``, ``preemptions``; the engine owns the rest."""
+    ``logprobs``, ``top_logprobs`` (per token, when ``params.top_logprobs`` > 0: the k most likely
+    (id, logprob) of the distribution sampled), ``finish_reason``, ``finished``, ``paused``,
+    ``preemptions``; the engine owns the rest."""
     id: int
     """unique among the sequences of its engine, whoever began them"""
     prompt: List[int]
@@ -53,6 +55,7 @@ class SeqHandle:
     x0: Optional[torch.Tensor] = None                   # embeddings of tokens[:pre] while prefilling
     state: Optional[SeqState] = None                    # None: waiting (not admitted, or preempted)
     logprobs: List[float] = field(default_factory=list)
+    top_logprobs: List[list] = field(default_factory=list)   # per token [(id, logprob)] when params.top_logprobs
     finish: Optional[str] = None
     stop_at: Optional[int] = None                       # text cut (stop string position)
     hit_tokens: int = 0
@@ -153,7 +156,8 @@ class Engine:
 
     def step(self, handles: Optional[Sequence[SeqHandle]] = None) -> List[Tuple[SeqHandle, int, float]]:
         """One scheduler iteration over ``handles`` (default: every live, unpaused sequence): admit,
-        one prefill chunk, one decode step. Returns (handle, token, logprob) per token produced. A
+        one prefill chunk, one decode step. Returns (handle, token, logprob) per token produced (at most
+        one per handle; with ``params.top_logprobs`` its alternatives are ``handle.top_logprobs[-1]``). A
         finished sequence frees its pages and leaves the engine; passing it again is a no-op."""
         if handles is None:
             active = [h for h in self._live.values() if not h.paused]
@@ -207,7 +211,8 @@ class Engine:
             text = self.tokenizer.decode(shown)
             if h.stop_at is not None:
                 text = text[:h.stop_at]
-        return Completion(list(h.prompt), out, list(h.logprobs), h.finish, text)
+        return Completion(list(h.prompt), out, list(h.logprobs), h.finish, text,
+                          [list(t) for t in h.top_logprobs] if h.params.top_logprobs else None)
 
     def live(self) -> List[SeqHandle]:
         """Unfinished, unreleased sequences in begin order (running, waiting, paused)."""
@@ -487,7 +492,10 @@ class Engine:
             self.runner.save_state(s.state, pages)
 
     def _emit(self, s: SeqHandle, logits_V: torch.Tensor):
-        tok, lp = sample(logits_V, s.params, s.gen)
+        k = s.params.top_logprobs
+        tok, lp, *top = sample(logits_V, s.params, s.gen, k)
+        if k:
+            s.top_logprobs.append(top[0])
         s.tokens.append(tok)
         s.logprobs.append(lp)
         sp = s.params

@@ -1,19 +1,22 @@
-"""The server's one door to the engine: a thread that owns :class:`megak3.inference.Engine` and batches
-the requests of concurrent HTTP clients (the asyncio side awaits; the engine's CPU work never runs
-on the event loop).
+"""The server's one door to the engine: a thread that owns :class:`megak3.inference.Engine` and runs
+the sequences of every concurrent HTTP client in one continuous batch (the asyncio side awaits; the
+engine's CPU work never runs on the event loop).
 
-Every engine call the server makes is in :class:`EngineClient`, built on the engine's public
-``generate`` / ``stream`` / ``next_logits``. Each round the thread takes every queued job: all
-non-streamed jobs go into ONE ``Engine.generate`` call (continuous batching inside the engine:
-requests that arrived while the previous call ran are served together), then each streamed job
-runs ``Engine.stream`` one sequence at a time (today's engine streams one prompt per call). What
-this adapter would take from a handle-based engine API (begin/step/abort per sequence):
+Every engine call the server makes is in :class:`EngineClient`, on the engine's sequence API
+(``begin`` / ``step`` / ``abort`` / ``completion``). The engine thread loops:
 
-- abort: a disconnected client's queued job is dropped and its stream is closed (which frees its
-  pages), but a sequence inside a running ``generate`` call runs to its end;
-- streamed sequences that join the batch (today a stream runs alone and delays queued jobs);
-- per-token top-k log-probabilities: computed here by ``Engine.next_logits`` over every prefix of
-  the output (one prefill per token, O(len^2)); the engine's own logits at each step would be free.
+1. take every queued job (a non-streamed request's prompts and choices, or one streamed choice) and
+   ``begin`` each of its sequences; a refusal (``InferenceError``: a bad value, a request that
+   cannot fit the pool even alone) fails that job alone;
+2. ``abort`` the sequences of every job whose client went away (streamed or not: the engine frees
+   their pages at once);
+3. ``step`` every live sequence of every job: streamed and non-streamed sequences share each
+   prefill / decode batch, and the engine admits waiting ones as pages allow;
+4. hand each (token, logprob, top) to its job's asyncio queue (``loop.call_soon_threadsafe``); a
+   non-streamed job gets its :class:`Result` list once all its sequences have finished.
+
+Per-token top-k alternatives come from the engine's own sampling distribution
+(``SamplingParams.top_logprobs``: the distribution the token's logprob is of), no extra forward.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import asyncio
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
 import torch
@@ -48,25 +51,60 @@ class Result:
     top: List[List[Tuple[int, float]]] = field(default_factory=list)   # per token: [(id, logprob)] best first
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
-    kind: str                         # "generate" | "stream"
+    stream: bool
     reqs: List[Request]
     loop: asyncio.AbstractEventLoop
     out: Any                          # asyncio.Future (generate) | asyncio.Queue (stream)
     cancel: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
+    handles: list = field(default_factory=list)   # SeqHandle per request, once begun (engine thread)
+    started: set = field(default_factory=set)     # ids of handles counted as running (engine thread)
+
+
+class TokenStream:
+    """``async for (token, logprob, top) in stream``; the job is queued when the stream is made.
+    ``aclose()`` (or dropping the stream) aborts its sequence, which frees its pages."""
+
+    def __init__(self, job: _Job):
+        self.job, self.done = job, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.done:
+            raise StopAsyncIteration
+        item = await self.job.out.get()
+        if item is None or isinstance(item, BaseException):
+            self.done = True
+            self.job.cancel.set()
+            if item is None:
+                raise StopAsyncIteration
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        self.done = True
+        self.job.cancel.set()
+
+    def __del__(self):
+        self.job.cancel.set()
 
 
 class EngineClient:
     """``await generate(reqs)`` -> [Result]; ``async for item in stream(req)`` -> (token, logprob, top)
-    tuples. ``metrics`` (megak3/inference/metrics.py) is told about
-    queueing, running, tokens and first-token times."""
+    tuples. ``metrics`` (megak3/inference/metrics.py, or anything with its ``running`` / ``waiting``
+    inc/dec, ``ttft.observe`` and ``finished``) is told about queueing, running, tokens and
+    first-token times."""
 
     def __init__(self, engine, metrics=None):
         self.engine, self.metrics = engine, metrics
         self.q: "queue.Queue[Optional[_Job]]" = queue.Queue()
         self._stats = dict(engine.cache_stats())   # written by the engine thread only, read by /metrics
+        self._jobs: List[_Job] = []                # begun, unfinished (engine thread only)
+        self.steps = 0                             # engine.step calls made (engine thread)
         self.thread = threading.Thread(target=self._loop, name="megak3-engine", daemon=True)
         self.thread.start()
 
@@ -75,19 +113,19 @@ class EngineClient:
         self.thread.join(timeout=60)
 
     # ------------------------------------------------------------------------------- asyncio side
-    def _submit(self, kind: str, reqs: List[Request], out) -> _Job:
-        job = _Job(kind, reqs, asyncio.get_running_loop(), out)
+    def _submit(self, stream: bool, reqs: List[Request], out) -> _Job:
+        job = _Job(stream, reqs, asyncio.get_running_loop(), out)
         if self.metrics:
             self.metrics.waiting.inc(len(reqs))
         self.q.put(job)
         return job
 
     async def generate(self, reqs: List[Request], disconnected=None) -> List[Result]:
-        """Results of ``reqs`` (one engine call with whatever else is queued). ``disconnected``: an
-        async callable polled while waiting; when it answers True the job is cancelled (dropped if
-        it has not started) and :class:`ClientDisconnected` is raised."""
+        """Results of ``reqs`` (their sequences join the running batch). ``disconnected``: an async
+        callable polled every 0.25 s while waiting; when it answers True the job's sequences are
+        aborted (or, not begun yet, dropped) and :class:`ClientDisconnected` is raised."""
         fut = asyncio.get_running_loop().create_future()
-        job = self._submit("generate", reqs, fut)
+        job = self._submit(False, reqs, fut)
         try:
             while True:
                 done, _ = await asyncio.wait({fut}, timeout=0.25)
@@ -98,134 +136,139 @@ class EngineClient:
         finally:
             job.cancel.set()
 
-    async def stream(self, req: Request) -> AsyncIterator[Tuple[int, float, list]]:
-        """(token, logprob, top) per generated token as the engine makes it; closing the iterator
-        early (a client that went away) stops the engine's sequence and frees its pages."""
-        aq: asyncio.Queue = asyncio.Queue()
-        job = self._submit("stream", [req], aq)
-        try:
-            while True:
-                item = await aq.get()
-                if item is None:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            job.cancel.set()
+    def stream(self, req: Request) -> AsyncIterator[Tuple[int, float, list]]:
+        """(token, logprob, top) per generated token as the engine makes it (a :class:`TokenStream`,
+        queued at once: streams made together are begun together); an engine refusal is raised by
+        the first ``__anext__``, before any token; closing the stream early aborts the sequence."""
+        return TokenStream(self._submit(True, [req], asyncio.Queue()))
 
     # -------------------------------------------------------------------------------- engine side
     def _loop(self) -> None:
         while True:
-            first = self.q.get()
-            if first is None:
-                return
-            jobs = [first]
-            while True:
+            incoming = [] if self._jobs else [self.q.get()]   # idle: sleep until a job comes
+            while None not in incoming:
                 try:
-                    j = self.q.get_nowait()
+                    incoming.append(self.q.get_nowait())
                 except queue.Empty:
                     break
-                if j is None:
-                    self.q.put(None)
-                    break
-                jobs.append(j)
-            gen = [j for j in jobs if j.kind == "generate" and not self._dropped(j)]
-            if gen:
-                self._started(gen)
-                self._run_generate(gen)
-            for j in jobs:
-                if j.kind == "stream" and not self._dropped(j):
-                    self._started([j])
-                    self._run_stream(j)
+            if None in incoming:
+                for j in list(self._jobs):
+                    self._fail(j, RuntimeError("the server is shutting down"))
+                return
+            try:
+                for j in incoming:
+                    self._begin(j)
+                for j in [j for j in self._jobs if j.cancel.is_set()]:
+                    self._end(j, abort=True)
+                if self._jobs:
+                    self._step()
+            except Exception as e:  # noqa: BLE001 - a fault fails the running jobs; the thread goes on
+                for j in list(self._jobs):
+                    self._fail(j, e)
 
-    def _dropped(self, job: _Job) -> bool:
-        """A job whose client went away before it started: counted out of the queue, never run."""
-        if job.cancel.is_set() and self.metrics:
-            self.metrics.waiting.dec(len(job.reqs))
-        return job.cancel.is_set()
+    def _begin(self, job: _Job) -> None:
+        if job.cancel.is_set():   # the client went away before it started: never reaches the engine
+            if self.metrics:
+                self.metrics.waiting.dec(len(job.reqs))
+            return
+        try:
+            for r in job.reqs:
+                sp = replace(r.params, top_logprobs=r.top_logprobs) if r.top_logprobs else r.params
+                job.handles.append(self.engine.begin(r.prompt, sp, r.images))
+        except Exception as e:  # noqa: BLE001 - a refusal (or fault) of this job alone
+            self._jobs.append(job)
+            self._fail(job, e)
+            return
+        self._jobs.append(job)
 
-    def _started(self, jobs: List[_Job]) -> None:
+    def _step(self) -> None:
+        live = [h for j in self._jobs for h in j.handles if not h.finished]
+        t0 = time.perf_counter()
+        try:
+            out = self.engine.step(live)
+        except Exception as e:  # noqa: BLE001 - the step's sequences fail; the server goes on
+            for j in list(self._jobs):
+                self._fail(j, e)
+            return
+        finally:
+            self.steps += 1
+            self._snapshot()
+        now = time.perf_counter()
+        owner = {h.id: j for j in self._jobs for h in j.handles}
+        per_job: Dict[int, list] = {}
+        for h, tok, lp in out:
+            j = owner[h.id]
+            self._running(j, h, now)
+            if j.stream:
+                per_job.setdefault(id(j), [j, []])[1].append(
+                    (tok, lp, list(h.top_logprobs[-1]) if h.params.top_logprobs else []))
+        for j in list(self._jobs):   # admitted without a token yet: running too
+            for h in j.handles:
+                if h.admitted:
+                    self._running(j, h, None)
+        if out and self.metrics:
+            self.metrics.finished(len(out), 0, now - t0)
+        for j, items in per_job.values():
+            self._deliver(j, items)
+        for j in list(self._jobs):
+            if all(h.finished for h in j.handles):
+                self._end(j)
+
+    def _running(self, job: _Job, h, first_token_at: Optional[float]) -> None:
+        if h.id not in job.started:
+            job.started.add(h.id)
+            if self.metrics:
+                self.metrics.waiting.dec()
+                self.metrics.running.inc()
+        if first_token_at is not None and len(h.token_ids) == 1 and self.metrics:
+            self.metrics.ttft.observe(first_token_at - job.arrived)
+
+    def _end(self, job: _Job, abort: bool = False) -> None:
+        """Take ``job`` out of the batch: aborted (its client went away) or delivered."""
+        self._jobs.remove(job)
+        for h in job.handles:
+            if abort:
+                self.engine.abort(h)
+            else:
+                self.engine.release(h)
         if self.metrics:
-            self.metrics.waiting.dec(sum(len(j.reqs) for j in jobs))
+            began = len(job.started)
+            self.metrics.running.dec(began)
+            self.metrics.waiting.dec(len(job.reqs) - began)
+        if abort:
+            self._snapshot()
+            return
+        if job.stream:
+            self._deliver(job, [None])
+        else:
+            self._deliver(job, [[Result(c, c.top_logprobs or []) for c in map(self.engine.completion, job.handles)]])
+
+    def _fail(self, job: _Job, err: BaseException) -> None:
+        try:
+            self._end(job, abort=True)
+        except Exception:  # noqa: BLE001 - the engine may be broken; the job is failed either way
+            if job in self._jobs:
+                self._jobs.remove(job)
+        self._deliver(job, [err])
 
     @staticmethod
-    def _deliver(job: _Job, value) -> None:
+    def _deliver(job: _Job, values: list) -> None:
+        """Hand ``values`` to the job's coroutine (stream: each item in order; generate: the one result)."""
         def put():
             if isinstance(job.out, asyncio.Queue):
-                job.out.put_nowait(value)
+                for v in values:
+                    job.out.put_nowait(v)
             elif not job.out.done():
-                (job.out.set_exception if isinstance(value, BaseException) else job.out.set_result)(value)
+                v = values[0]
+                (job.out.set_exception if isinstance(v, BaseException) else job.out.set_result)(v)
         try:
             job.loop.call_soon_threadsafe(put)
         except RuntimeError:   # the client's event loop is closed: nobody is waiting
             pass
 
-    def _run_generate(self, jobs: List[_Job]) -> None:
-        reqs = [r for j in jobs for r in j.reqs]
-        images = [r.images for r in reqs]
-        t0 = time.perf_counter()
-        if self.metrics:
-            self.metrics.running.inc(len(reqs))
-        try:
-            res = self.engine.generate([r.prompt for r in reqs], [r.params for r in reqs],
-                                       **({"images": images} if any(im is not None for im in images) else {}))
-            res = [Result(c, self._top(r, c)) for r, c in zip(reqs, res)]
-        except Exception as e:  # noqa: BLE001 - one job's failure must not fail its batch mates
-            res = None
-            err = e
-        finally:
-            self._snapshot()
-            if self.metrics:
-                self.metrics.running.dec(len(reqs))
-        if res is None:
-            if len(jobs) > 1:
-                for j in jobs:
-                    self._run_generate([j])
-            else:
-                self._deliver(jobs[0], err)
-            return
-        if self.metrics:
-            self.metrics.finished(sum(len(r.completion.token_ids) for r in res), len(res), time.perf_counter() - t0)
-        k = 0
-        for j in jobs:
-            self._deliver(j, res[k:k + len(j.reqs)])
-            k += len(j.reqs)
-
-    def _run_stream(self, job: _Job) -> None:
-        req = job.reqs[0]
-        t0 = time.perf_counter()
-        toks: List[int] = []
-        if self.metrics:
-            self.metrics.running.inc()
-        it = self.engine.stream(req.prompt, req.params,
-                                **({"images": req.images} if req.images is not None else {}))
-        try:
-            for tok, lp in it:
-                if job.cancel.is_set():
-                    break            # closing the generator (finally) frees the sequence's pages
-                if not toks and self.metrics:
-                    self.metrics.ttft.observe(time.perf_counter() - job.arrived)
-                top = self._top_one(req.prompt + toks, req.top_logprobs) if req.top_logprobs else []
-                toks.append(tok)
-                self._snapshot()
-                self._deliver(job, (tok, lp, top))
-            else:
-                if self.metrics:
-                    self.metrics.finished(len(toks), 1, time.perf_counter() - t0)
-                self._deliver(job, None)
-        except Exception as e:  # noqa: BLE001 - handed to the request's coroutine
-            self._deliver(job, e)
-        finally:
-            it.close()
-            self._snapshot()
-            if self.metrics:
-                self.metrics.running.dec()
-
     def cache_stats(self) -> Dict[str, float]:
-        """The engine's cache counters (``Engine.cache_stats``) as the engine thread last saw them: at
-        the start and end of every engine call and after every streamed token (the engine is never
-        touched from the HTTP side)."""
+        """The engine's cache counters (``Engine.cache_stats``) as the engine thread last saw them:
+        after every engine step and abort (the engine is never touched from the HTTP side)."""
         return self._stats
 
     def _snapshot(self) -> None:
@@ -258,18 +301,3 @@ class EngineClient:
 
     def replicas_up(self) -> int:
         return int(self.alive())
-
-    def _top(self, req: Request, c: Completion) -> List[List[Tuple[int, float]]]:
-        if not req.top_logprobs or not c.token_ids:
-            return []
-        prefixes = [req.prompt + c.token_ids[:i] for i in range(len(c.token_ids))]
-        return [_topk(row, req.top_logprobs) for row in self.engine.next_logits(prefixes)]
-
-    def _top_one(self, prefix: List[int], k: int) -> List[Tuple[int, float]]:
-        return _topk(self.engine.next_logits([prefix])[0], k)
-
-
-def _topk(logits_V: torch.Tensor, k: int) -> List[Tuple[int, float]]:
-    lp = torch.log_softmax(logits_V.float(), -1)
-    v, i = torch.topk(lp, min(k, lp.numel()))
-    return [(int(a), float(b)) for a, b in zip(i, v)]

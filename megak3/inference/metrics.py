@@ -2,21 +2,20 @@
 
 Each server has its own registry (several servers in one process do not share counters):
 
-``megak3_requests_running``            prompts inside an engine call now
-``megak3_requests_waiting``            prompts queued for the engine thread
+``megak3_requests_running``            sequences (prompts / choices) admitted to the engine's batch now
+``megak3_requests_waiting``            sequences queued for the engine thread or waiting for pages
 ``megak3_requests_total{status}``      finished HTTP generation requests by status code
 ``megak3_prompt_tokens_total``         prompt tokens of answered requests
 ``megak3_generation_tokens_total``     generated tokens
-``megak3_generation_tokens_per_second`` generated tokens / wall seconds of the last finished engine call
+``megak3_generation_tokens_per_second`` generated tokens / wall seconds of the last engine step that made any
 ``megak3_prefix_cache_hit_rate``       prefix-cache hits / lookups since start (0 before any lookup)
 ``megak3_prefix_cache_hit_tokens_total`` prompt tokens served from the prefix cache
 ``megak3_cache_pages_used``            device pages in use (running sequences + cached prefixes), as
-                                       of the engine thread's last snapshot (each engine call's start
-                                       and end, each streamed token)
+                                       of the engine thread's last snapshot (after each engine step)
 ``megak3_cache_pages_peak``            most device pages in use at once since start
 ``megak3_cache_pages_total``           the page pool
-``megak3_time_to_first_token_seconds`` histogram, arrival to first token, streamed requests (a
-                                       non-streamed request gets its tokens all at once)
+``megak3_time_to_first_token_seconds`` histogram, arrival to the engine's first token of every
+                                       sequence (each prompt / choice), streamed or not
 ``megak3_request_latency_seconds``     histogram, arrival to the last byte of the response body
 
 With engine replicas (megak3/inference/replicas.py) the cache series are the replicas' sums
@@ -41,14 +40,14 @@ class ServerMetrics:
 
     def __init__(self, cache_stats, num_pages: int):
         r = self.registry = CollectorRegistry()
-        self.running = Gauge("megak3_requests_running", "prompts inside an engine call", registry=r)
-        self.waiting = Gauge("megak3_requests_waiting", "prompts queued for the engine thread", registry=r)
+        self.running = Gauge("megak3_requests_running", "sequences in the engine's batch", registry=r)
+        self.waiting = Gauge("megak3_requests_waiting", "sequences queued or waiting for pages", registry=r)
         self.requests = Counter("megak3_requests", "finished generation requests", ["status"], registry=r)
         self.prompt_tokens = Counter("megak3_prompt_tokens", "prompt tokens of answered requests", registry=r)
         self.gen_tokens = Counter("megak3_generation_tokens", "generated tokens", registry=r)
         self.tps = Gauge("megak3_generation_tokens_per_second",
-                         "generated tokens / wall seconds of the last finished engine call", registry=r)
-        self.ttft = Histogram("megak3_time_to_first_token_seconds", "arrival to first token (streamed requests)",
+                         "generated tokens / wall seconds of the last engine step", registry=r)
+        self.ttft = Histogram("megak3_time_to_first_token_seconds", "arrival to first token (every sequence)",
                               buckets=BUCKETS, registry=r)
         self.latency = Histogram("megak3_request_latency_seconds", "arrival to the end of the response",
                                  buckets=BUCKETS, registry=r)
@@ -67,7 +66,7 @@ class ServerMetrics:
         Gauge("megak3_cache_pages_total", "device pages in the pool", registry=r).set(num_pages)
 
     def finished(self, tokens: int, requests: int, seconds: float) -> None:
-        """An engine call (a batch or one stream) produced ``tokens`` in ``seconds``."""
+        """An engine step produced ``tokens`` in ``seconds`` (``requests``: unused, kept for callers)."""
         self.gen_tokens.inc(tokens)
         self.tps.set(tokens / seconds if seconds > 0 else 0.0)
 

@@ -5,8 +5,8 @@ over the socket it inherited (megak3/inference/replica_wire.py: JSON frames, no 
         [--threads 1] [--checkpoint-interval 512]
 
 Inside, an :class:`megak3.inference.engine_client.EngineClient` (the server's single-engine adapter)
-batches the jobs that arrive together into one ``Engine.generate`` call and streams through
-``Engine.stream``, exactly as the one-engine server does. Started by
+runs the jobs it receives, streamed or not, in shared decode steps on the engine's sequence API
+(``begin`` / ``step`` / ``abort``), exactly as the one-engine server does. Started by
 :class:`megak3.inference.replicas.ReplicaClient`; it exits when the server closes the socket.
 """
 from __future__ import annotations

@@ -39,13 +39,20 @@ def filtered_probs(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tens
     return filtered_logprobs(logits_V, params).exp()
 
 
-def sample(logits_V: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> tuple[int, float]:
-    """(token, its logprob). Sampling (temperature > 0): the logprob under the distribution sampled
-    (temperature applied, top-k / top-p truncated and renormalised; vLLM's "processed" logprobs), so it
-    is the exact behaviour logprob of RL. Greedy: the model's unmodified ``log_softmax(logits)``."""
+def sample(logits_V: torch.Tensor, params: SamplingParams, gen: torch.Generator | None,
+           top: int = 0) -> tuple[int, float] | tuple[int, float, list]:
+    """(token, its logprob); with ``top`` > 0, (token, logprob, [(id, logprob)] of the ``top`` most
+    likely tokens of the same distribution, best first; tokens top-k / top-p removed are not listed).
+    Sampling (temperature > 0): the logprob under the distribution sampled (temperature applied,
+    top-k / top-p truncated and renormalised; vLLM's "processed" logprobs), so it is the exact
+    behaviour logprob of RL. Greedy: the model's unmodified ``log_softmax(logits)``."""
     if params.temperature == 0:
         tok = int(logits_V.argmax())
-        return tok, float(torch.log_softmax(logits_V.float(), -1)[tok])
-    lp_V = filtered_logprobs(logits_V, params)
-    tok = int(torch.multinomial(lp_V.exp(), 1, generator=gen))
-    return tok, float(lp_V[tok])
+        lp_V = torch.log_softmax(logits_V.float(), -1)
+    else:
+        lp_V = filtered_logprobs(logits_V, params)
+        tok = int(torch.multinomial(lp_V.exp(), 1, generator=gen))
+    if not top:
+        return tok, float(lp_V[tok])
+    v, i = torch.topk(lp_V, min(top, lp_V.numel()))
+    return tok, float(lp_V[tok]), [(int(a), float(b)) for a, b in zip(i, v) if b > float("-inf")]

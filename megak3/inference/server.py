@@ -12,22 +12,24 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": 
 events, then ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus,
 megak3/inference/metrics.py), and FastAPI's ``/docs`` and ``/openapi.json``. The schemas are
 megak3/inference/api_models.py, the request/response logic megak3/inference/service.py, and every
-engine call goes through one engine thread (megak3/inference/engine_client.py) that batches
-concurrent requests into one ``Engine.generate`` call. With ``--replicas N`` (N > 1) or
-``--ray-address``, N engine worker processes (or Ray actors) each do that for the requests the
+engine call goes through one engine thread (megak3/inference/engine_client.py) that runs the
+sequences of all concurrent requests, streamed or not, in the same decode batches. With ``--replicas N``
+(N > 1) or ``--ray-address``, N engine worker processes (or Ray actors) each do that for the requests the
 cache-affine router sends them (megak3/inference/replicas.py); this process then holds no weights.
 
 Errors are JSON in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: a body that is
 not a JSON object, a wrong type or value, an unknown field, a prompt of the model's context or
-longer: 400 (``param`` names the field); an unknown model or path: 404; a wrong method: 405; a body
-over 32 MiB: 413; a server fault: 500. The server keeps serving after each. A client that
-disconnects stops its stream (its sequence's pages are freed) or, if its request is still queued,
-drops it.
+longer, a request the engine refuses (also a streamed one: its first event is awaited before the
+headers go out): 400 (``param`` names the field); an unknown model or path: 404; a wrong method:
+405; a body over 32 MiB: 413; a server fault: 500. The server keeps serving after each. A client
+that disconnects, streamed or not, aborts its sequences (their pages are freed at once) or, if its
+request has not reached the engine yet, drops it.
 
 Images: chat messages may carry ``{"type": "image_url", "image_url": {"url": ...}}`` parts with a
 ``data:image/...;base64,`` URL, or a ``file://`` URL under the directory the operator names with
 ``--allowed-local-media-path`` (megak3/inference/media.py).
 """
+import asyncio
 import json
 import socket
 import time
@@ -220,9 +222,30 @@ def make_app(engine, model_name: str = "megak3", allowed_media_dir: Optional[str
     def disconnected(request: Request):
         return request.is_disconnected
 
-    def sse(request, gen):
+    async def first_event(request: Request, gen):
+        """The stream's first event, awaited before any header is sent: an engine refusal is still a
+        400 JSON error; a client that leaves meanwhile aborts the request (polled every 0.25 s)."""
+        task = asyncio.ensure_future(gen.__anext__())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    raise ClientDisconnected()
+        except BaseException:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task})   # the generator's own cleanup (its streams abort) runs first
+            await gen.aclose()
+            raise
+
+    async def sse(request, gen):
+        first = await first_event(request, gen)
+
         async def events():
             try:
+                yield f"data: {json.dumps(first)}\n\n"
                 async for ev in gen:
                     yield f"data: {json.dumps(ev)}\n\n"
             except (RequestError, InferenceError) as e:   # after the headers: an error event ends the stream
@@ -239,13 +262,13 @@ def make_app(engine, model_name: str = "megak3", allowed_media_dir: Optional[str
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         if body.stream:
-            return sse(request, service.stream(body, service.completion_requests(body), chat=False))
+            return await sse(request, service.stream(body, service.completion_requests(body), chat=False))
         return (await service.completions(body, disconnected(request))).model_dump()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         if body.stream:
-            return sse(request, service.stream(body, service.chat_requests(body), chat=True))
+            return await sse(request, service.stream(body, service.chat_requests(body), chat=True))
         return (await service.chat(body, disconnected(request))).model_dump()
 
     @app.get("/v1/models")

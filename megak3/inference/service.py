@@ -10,10 +10,11 @@ images, whose ``<|media|>`` slots the template puts after the role header and be
 Sampling: ``max_tokens`` (chat also ``max_completion_tokens``) default 16, ``temperature`` default
 1.0 (as OpenAI; 0 = greedy), ``top_p``, ``top_k`` (0 = off), ``ignore_eos``, ``stop``. Choice
 ``k`` of a request (prompt ``k // n``, copy ``k % n``) samples with ``seed + k`` when ``seed`` is
-given. ``logprobs``: each generated token's log probability under the model (before temperature
-and truncation), with the ``top_logprobs`` / completions ``logprobs`` = k most likely alternatives;
-streams carry them too. A prompt of ``max_model_len`` tokens or more is refused; a shorter one
-generates at most up to the context.
+given. ``logprobs``: each generated token's log probability under the distribution it was sampled
+from (temperature and top-k / top-p applied; greedy: the model's own), with the ``top_logprobs`` /
+completions ``logprobs`` = k most likely alternatives of that same distribution (the engine's, at
+sampling time; tokens truncation removed are not listed); streams carry them too. A prompt of
+``max_model_len`` tokens or more is refused; a shorter one generates at most up to the context.
 """
 from __future__ import annotations
 
@@ -30,6 +31,14 @@ from .engine_client import EngineClient, Request
 from .types import InferenceError, SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
+
+
+async def _chain(head, rest):
+    """``head`` (unless None) then the items of ``rest``."""
+    if head is not None:
+        yield head
+        async for x in rest:
+            yield x
 
 
 class RequestError(ValueError):
@@ -261,9 +270,12 @@ class OpenAIService:
 
     async def stream(self, req, reqs: List[Request], chat: bool) -> AsyncIterator[dict]:
         """The SSE chunks (as dicts) of a streamed request whose ``reqs`` were built (validated) already:
-        each choice in turn, pieces of text as the engine produces them, each with the log
+        every choice is sent to the engine at once (they decode in the same batches), then each
+        choice's events in turn: pieces of text as the engine produces them, each with the log
         probabilities of the tokens it completes when asked; a final usage chunk with
-        ``stream_options.include_usage``."""
+        ``stream_options.include_usage``. Nothing is yielded before every choice has its first token,
+        so an engine refusal raises :class:`RequestError` before the first event (the server then
+        answers a 400 JSON error instead of starting the event stream)."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         generated = 0
@@ -283,14 +295,22 @@ class OpenAIService:
             return CompletionResponse(id=rid, created=created, model=self.model_name, choices=[
                 CompletionChoice(index=k, text=text, finish_reason=finish, logprobs=lp)]).model_dump()
 
-        for k, r in enumerate(reqs):
-            ts = TextStream(self.tok, r.params)
-            if chat:
-                yield chunk(k, "", None, first=True)
-            toks, lps, tops = [], [], []
-            agen = self.client.stream(r)
-            try:
-                async for t, lp, top in agen:
+        streams = [self.client.stream(r) for r in reqs]   # every choice joins the batch now
+        try:
+            heads = []
+            for s in streams:   # an engine refusal surfaces here, before the first event (and headers)
+                try:
+                    heads.append(await s.__anext__())
+                except StopAsyncIteration:
+                    heads.append(None)
+                except InferenceError as e:
+                    raise RequestError(str(e)) from None
+            for k, (r, s) in enumerate(zip(reqs, streams)):
+                ts = TextStream(self.tok, r.params)
+                if chat:
+                    yield chunk(k, "", None, first=True)
+                toks, lps, tops = [], [], []
+                async for t, lp, top in _chain(heads[k], s):
                     generated += 1
                     toks.append(t)
                     lps.append(lp)
@@ -301,10 +321,12 @@ class OpenAIService:
                         toks, lps, tops = [], [], []
                     if ts.finish is not None:
                         break
-            finally:
-                await agen.aclose()
-            piece = ts.close("length")
-            yield chunk(k, piece, ts.finish, toks, lps, tops)
+                await s.aclose()
+                piece = ts.close("length")
+                yield chunk(k, piece, ts.finish, toks, lps, tops)
+        finally:
+            for s in streams:
+                await s.aclose()
         if req.stream_options is not None and req.stream_options.include_usage:
             usage = self._usage(reqs, generated).model_dump()
             obj = "chat.completion.chunk" if chat else "text_completion"

@@ -28,6 +28,9 @@ class SamplingParams:
     stop: Tuple[str, ...] = ()
     """strings that end the sequence, checked on the decoded text; the text ends before the stop string"""
     ignore_eos: bool = False
+    top_logprobs: int = 0
+    """also record, per generated token, the k most likely (token, logprob) of the distribution it was
+    sampled from (``SeqHandle.top_logprobs``, ``Completion.top_logprobs``); 0 = off"""
 
     def validate(self) -> None:
         def bad(name, value, must):
@@ -44,6 +47,8 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not 0 <= self.seed < 2 ** 63):
             bad("seed", self.seed, "be an integer in [0, 2**63) or None")
+        if not isinstance(self.top_logprobs, int) or isinstance(self.top_logprobs, bool) or self.top_logprobs < 0:
+            bad("top_logprobs", self.top_logprobs, "be an integer >= 0; use 0 to turn it off")
         ids = self.stop_token_ids
         if not isinstance(ids, (tuple, list)) or not all(isinstance(i, int) and i >= 0 for i in ids):
             bad("stop_token_ids", ids, "be a list of token ids >= 0")
@@ -70,6 +75,10 @@ class Completion:
     (``Engine.abort`` before it finished)"""
     text: str
     """decoded generated text; a stop token is not shown and a stop string and what follows it are cut"""
+    top_logprobs: Optional[List[List[Tuple[int, float]]]] = None
+    """with ``SamplingParams.top_logprobs`` = k > 0: per generated token, the k most likely (id, logprob)
+    of the distribution it was sampled from (the one ``logprobs`` is of), best first; tokens top-k /
+    top-p removed are not listed. None when not asked"""
 
 
 @dataclass

@@ -69,6 +69,34 @@ def _tokenizer_for(kind: str, ckpt_dir: Path, config: Optional[dict], explicit):
                          "pass tokenizer=PATH")
 
 
+def _hf_config(path, d: Path) -> Tuple[object, dict]:
+    """(ModelConfig, raw config.json) of a Hugging Face directory; bad input is one InferenceError line."""
+    from ..interop.hf_config import from_hf_config
+
+    try:
+        hf_cfg = json.loads((d / "config.json").read_text())
+        return from_hf_config(hf_cfg), hf_cfg
+    except FileNotFoundError:
+        raise InferenceError(f"checkpoint={path}: the Hugging Face directory has no config.json") from None
+    except (ValueError, KeyError) as e:
+        raise InferenceError(f"checkpoint={path}: config.json: {e}") from None
+
+
+def _megak3_reader(path, d: Path):
+    """(open CheckpointReader, its recorded job config with a model section) of a megak3 checkpoint."""
+    from ..checkpoint.reader import CheckpointReader
+
+    try:
+        reader = CheckpointReader(d)
+    except Exception as e:  # noqa: BLE001 - CheckpointError and OS errors: one line
+        raise InferenceError(f"checkpoint={path}: {e}") from None
+    config = (reader.meta or {}).get("config") or {}
+    if not config.get("model"):
+        reader.close()
+        raise InferenceError(f"checkpoint={d} records no model config; it was not written by the megak3 trainer")
+    return reader, config
+
+
 def load_model(path, device="cpu", dtype="float32", tokenizer=None) -> Tuple[nn.Module, object, dict]:
     """(model in eval mode, Tokenizer, info) from a checkpoint or HF directory (module docstring)."""
     from ..model.k3 import build_model
@@ -80,16 +108,9 @@ def load_model(path, device="cpu", dtype="float32", tokenizer=None) -> Tuple[nn.
     kind, d = resolve_checkpoint(path)
     config = None
     if kind == "hf":
-        from ..interop.hf_config import from_hf_config
         from ..interop.hf_load import load_hf_into
 
-        try:
-            hf_cfg = json.loads((d / "config.json").read_text())
-            cfg = from_hf_config(hf_cfg)
-        except FileNotFoundError:
-            raise InferenceError(f"checkpoint={path}: the Hugging Face directory has no config.json") from None
-        except (ValueError, KeyError) as e:
-            raise InferenceError(f"checkpoint={path}: config.json: {e}") from None
+        cfg, hf_cfg = _hf_config(path, d)
         model = build_model(cfg, init=False)
         try:
             load_hf_into(model, None, d, cfg, field="checkpoint")
@@ -100,16 +121,9 @@ def load_model(path, device="cpu", dtype="float32", tokenizer=None) -> Tuple[nn.
         qcfg = QuantConfig(qat="mxfp4_experts" if packed else "none")
     else:
         from ..config import model_config_from_dict
-        from ..checkpoint.reader import CheckpointReader
         from parallel.plan import canonical_name
 
-        try:
-            reader = CheckpointReader(d)
-        except Exception as e:  # noqa: BLE001 - CheckpointError and OS errors: one line
-            raise InferenceError(f"checkpoint={path}: {e}") from None
-        config = (reader.meta or {}).get("config") or {}
-        if not config.get("model"):
-            raise InferenceError(f"checkpoint={d} records no model config; it was not written by the megak3 trainer")
+        reader, config = _megak3_reader(path, d)
         cfg = model_config_from_dict(config["model"])
         model = build_model(cfg, init=False)
         with torch.no_grad():
@@ -139,25 +153,11 @@ def load_config_and_tokenizer(path, tokenizer=None):
     kind, d = resolve_checkpoint(path)
     config = None
     if kind == "hf":
-        from ..interop.hf_config import from_hf_config
-
-        try:
-            cfg = from_hf_config(json.loads((d / "config.json").read_text()))
-        except FileNotFoundError:
-            raise InferenceError(f"checkpoint={path}: the Hugging Face directory has no config.json") from None
-        except (ValueError, KeyError) as e:
-            raise InferenceError(f"checkpoint={path}: config.json: {e}") from None
+        cfg = _hf_config(path, d)[0]
     else:
-        from ..checkpoint.reader import CheckpointReader
         from ..config import model_config_from_dict
 
-        try:
-            reader = CheckpointReader(d)
-        except Exception as e:  # noqa: BLE001 - CheckpointError and OS errors: one line
-            raise InferenceError(f"checkpoint={path}: {e}") from None
-        config = (reader.meta or {}).get("config") or {}
+        reader, config = _megak3_reader(path, d)
         reader.close()
-        if not config.get("model"):
-            raise InferenceError(f"checkpoint={d} records no model config; it was not written by the megak3 trainer")
         cfg = model_config_from_dict(config["model"])
     return cfg, _tokenizer_for(kind, d, config, tokenizer)

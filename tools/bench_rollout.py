@@ -1,26 +1,36 @@
 #!/usr/bin/env python
-"""Partial vs synchronous rollouts on a long-tailed response-length distribution, same work, one run.
+"""Partial vs synchronous rollouts on a long-tailed (agent-like) response-length trace, same work, one run.
 
-    python tools/bench_rollout.py                       # ~1 min on 2 CPU cores (N=4, K=4, 32 samples)
-    python tools/bench_rollout.py --samples 128 --long-fraction 0.05 --long 96 --lam 0.5
+    python tools/bench_rollout.py            # a few minutes on 2 shared CPU cores
+    python tools/bench_rollout.py --small    # seconds: checks that it runs and prints the ratios
 
-Measured (defaults, 2 shared CPU cores): partial / synchronous wall time per update x0.35, learner idle
-fraction x0.69 (65% -> 45%), wall time per trained sample x1.40 (the partial mode makes 4x as many, smaller
-updates, each paying the fixed cost of an update and a refit).
+Both modes run the real loop (megak3/posttrain/rl.py RLRunner: engine rollouts through PartialRollouts,
+the RankStep update, the in-memory refit) on the same tiny random K3 (parallel.testing's PARITY_MODEL
+widths), the same prompt stream and the same per-sample budgets: group g of either mode gets the g-th
+prompt and the g-th K budgets of one seeded trace. Every sample runs to its budget (rl.ignore_eos), so the
+response lengths are exactly the trace: log-normal with median ``--median`` tokens and shape
+``--sigma`` (p99/p50 = exp(2.326 sigma), 20.5 at sigma 1.3), cut at ``--cap``; most samples are short, a
+few are 20-40x the median, as in agent episodes, where most tasks end in a few turns and some run long.
+The trace's quantiles are printed (of the distribution and of the samples trained).
 
-Both modes run the real loop (megak3/posttrain/rl.py: engine rollouts, RankStep update, refit) on the
-same tiny random K3 (parallel.testing's PARITY_MODEL widths) with the same prompts and per-sample budgets;
-every sample runs to its budget (ignore_eos), so the lengths are exactly the drawn distribution: most
-samples ``--short`` tokens, a ``--long-fraction`` of them ``--long`` tokens. Each mode trains until
-``--samples`` samples have been trained on. The synchronous mode (lambda = 1) waits for every sample of
-the iteration; the partial mode updates once lambda N K samples are finished and resumes the rest first
-in the next iteration. Printed: wall time per update and per trained sample, and the learner's idle
-fraction (the share of the run's wall time spent generating, when the colocated learner waits), each as
+Staleness: RLConfig has no staleness bound (no rl.max_staleness: a paused sample continues until its
+budget is spent, whatever the number of updates in between), so the modes are compared at equal update
+size: ``--update`` samples per optimizer step in the synchronous mode (rl.prompts = update / K,
+lambda = 1) and about as many in the partial mode, which keeps ``--inflight`` times as many groups in the
+engine (rl.prompts = inflight * update / K) and updates once ``--lam`` of them are finished
+(rl.partial_fraction); mean samples per update of both are printed, so is the staleness the partial mode
+reached (mean policy versions behind per trained token, and the most versions one trained sample spans).
+
+Each mode trains ``--samples`` samples after one warm-up update (its time excluded: the partial mode's
+first iteration starts from an empty engine). Printed per mode: trained samples per second, the learner's
+idle fraction (the share of wall time spent generating, when the colocated learner waits), the mean
+decode batch (sequences per decode step, i.e. decode-batch occupancy) and seconds per update; then the
 partial / synchronous ratios.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
@@ -32,7 +42,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_mode(lam: float, args, tok) -> dict:
+def trace(args, n: int) -> np.ndarray:
+    """The response budgets of the first ``n`` samples (the same list for both modes)."""
+    rng = np.random.default_rng(args.seed)
+    return np.clip(np.rint(args.median * np.exp(args.sigma * rng.standard_normal(n))), 1, args.cap).astype(int)
+
+
+def run_mode(partial: bool, args, tok, budgets_all) -> dict:
     from megak3.config import load_model_config
     from megak3.data.config import DataConfig
     from megak3.optim.config import OptimConfig
@@ -40,17 +56,44 @@ def run_mode(lam: float, args, tok) -> dict:
     from megak3.job.config import JobConfig, TrainConfig
     from parallel.testing import PARITY_MODEL
 
+    K = args.group_size
     job = JobConfig(model=load_model_config("k3_tiny", **PARITY_MODEL), data=DataConfig(vocab_size=512),
                     optim=OptimConfig(lr=1e-3, warmup_steps=0, min_lr_ratio=1.0),
                     train=TrainConfig(max_steps=10 ** 6, global_batch_size=1, micro_batch_size=1, seed=1)).validate()
-    rl = RLConfig(prompts=args.prompts, group_size=args.group_size, max_tokens=args.long, temperature=1.0,
-                  partial_fraction=lam, ignore_eos=True, micro_batch_size=64, iterations=10 ** 6, seed=1)
-    rng = np.random.default_rng(args.seed)
-    budgets = lambda: [int(args.long if rng.random() < args.long_fraction else args.short)  # noqa: E731
-                       for _ in range(args.group_size)]
+    groups = args.update // K * (args.inflight if partial else 1)
+    rl = RLConfig(prompts=groups, group_size=K, max_tokens=args.cap, temperature=1.0,
+                  partial_fraction=args.lam if partial else 1.0, ignore_eos=True,
+                  micro_batch_size=args.micro_batch, iterations=10 ** 6, seed=1)
+    next_group = iter(range(10 ** 9))
+    budgets = lambda: [int(b) for b in budgets_all[next(next_group) * K:][:K]]  # noqa: E731
     runner = RLRunner(job, rl, tok, budgets=budgets,
-                      engine_options={"page_size": 16, "num_pages": 4096, "max_batch": 256})
-    trained, updates, gen_s, train_s = 0, 0, 0.0, 0.0
+                      engine_options={"page_size": 16, "num_pages": 8192, "max_batch": 1024})
+    steps = {"n": 0, "seqs": 0}
+    decode = runner.engine._decode
+
+    def counted(seqs):  # measures the decode batch; the step itself is the engine's
+        steps["n"] += 1
+        steps["seqs"] += len(seqs)
+        return decode(seqs)
+
+    runner.engine._decode = counted
+    seen = {"lens": [], "span": 0, "stale": 0.0, "tokens": 0}
+    update = runner.update
+
+    def watched(samples, adv):  # records what is trained on; the update itself is RLRunner's
+        for r in samples:
+            seen["lens"].append(len(r.token_ids))
+            seen["span"] = max(seen["span"], max(r.versions) - min(r.versions) + 1)
+            seen["stale"] += sum(runner.version - v for v in r.versions)
+            seen["tokens"] += len(r.versions)
+        return update(samples, adv)
+
+    runner.update = watched
+    while not runner.iteration().get("trained"):  # warm-up update, not timed
+        pass
+    steps.update(n=0, seqs=0)
+    seen.update(lens=[], span=0, stale=0.0, tokens=0)
+    trained, updates, gen_s, upd_s = 0, 0, 0.0, 0.0
     t0 = time.perf_counter()
     while trained < args.samples:
         rec = runner.iteration()
@@ -58,29 +101,43 @@ def run_mode(lam: float, args, tok) -> dict:
         if rec.get("trained"):
             trained += rec["trained"]
             updates += 1
-            train_s += rec["train_s"] + rec["refit_s"]
+            upd_s += rec["train_s"] + rec["refit_s"]
     wall = time.perf_counter() - t0
-    return {"wall": wall, "updates": updates, "trained": trained, "gen": gen_s, "train": train_s,
-            "per_update": wall / updates, "per_sample": wall / trained, "idle": gen_s / wall}
+    return {"wall": wall, "updates": updates, "trained": trained, "gen": gen_s, "upd": upd_s,
+            "sps": trained / wall, "idle": gen_s / wall, "batch": steps["seqs"] / max(steps["n"], 1),
+            "decode_steps": steps["n"], "per_update": wall / updates, "groups": groups,
+            "lens": np.array(seen["lens"]), "span": seen["span"], "stale": seen["stale"] / max(seen["tokens"], 1)}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--prompts", type=int, default=4, help="N prompts per iteration")
-    ap.add_argument("--group-size", type=int, default=4, help="K rollouts per prompt")
-    ap.add_argument("--samples", type=int, default=32, help="trained samples per mode (the same work)")
-    ap.add_argument("--short", type=int, default=4)
-    ap.add_argument("--long", type=int, default=24)
-    ap.add_argument("--long-fraction", type=float, default=0.1)
-    ap.add_argument("--lam", type=float, default=0.5, help="lambda of the partial mode")
+    ap.add_argument("--group-size", type=int, default=8, help="K rollouts per prompt (the GRPO group)")
+    ap.add_argument("--update", type=int, default=32, help="samples per update of the synchronous mode")
+    ap.add_argument("--inflight", type=int, default=2,
+                    help="partial mode: groups in the engine, as a multiple of the synchronous update's")
+    ap.add_argument("--lam", type=float, default=0.5, help="partial mode: rl.partial_fraction")
+    ap.add_argument("--samples", type=int, default=160, help="trained samples per mode after the warm-up")
+    ap.add_argument("--median", type=float, default=8.0, help="median response tokens of the trace")
+    ap.add_argument("--sigma", type=float, default=1.3, help="log-normal shape of the trace (p99/p50 = e^2.326s)")
+    ap.add_argument("--cap", type=int, default=512, help="longest response budget")
+    ap.add_argument("--micro-batch", type=int, default=8, help="rl.micro_batch_size of the update")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--small", action="store_true", help="a seconds-long run (tests): tiny trace and update")
     args = ap.parse_args(argv)
-    for name in ("prompts", "group_size", "samples", "short", "long"):
+    if args.small:
+        args.group_size, args.update, args.samples, args.median, args.cap = 2, 4, 8, 2.0, 48
+    for name in ("group_size", "update", "inflight", "samples", "cap", "micro_batch"):
         if getattr(args, name) < 1:
             print(f"error: --{name.replace('_', '-')}={getattr(args, name)} must be >= 1", file=sys.stderr)
             return 2
-    if not 0 < args.lam < 1 or not 0 <= args.long_fraction <= 1:
-        print("error: --lam must lie in (0, 1) and --long-fraction in [0, 1]", file=sys.stderr)
+    if args.update % args.group_size:
+        print(f"error: --update={args.update} must be a multiple of --group-size={args.group_size}", file=sys.stderr)
+        return 2
+    if not 0 < args.lam < 1:
+        print(f"error: --lam={args.lam} must lie in (0, 1)", file=sys.stderr)
+        return 2
+    if args.median <= 0 or args.sigma < 0:
+        print("error: --median must be > 0 and --sigma >= 0", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
     from megak3.data.tokenizer import load_tokenizer
@@ -88,14 +145,24 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as d:
         tok = load_tokenizer(build_demo_sft_dataset(d, 512, num_conversations=300, progress=False)[1])
-    sync = run_mode(1.0, args, tok)
-    part = run_mode(args.lam, args, tok)
-    for name, r in (("synchronous", sync), (f"partial (lambda={args.lam})", part)):
-        print(f"{name:>22}: {r['trained']} samples in {r['updates']} updates, {r['wall']:.1f} s; "
-              f"{r['per_update']:.2f} s/update, {1000 * r['per_sample']:.0f} ms/sample, learner idle {r['idle']:.1%}")
-    print(f"partial / synchronous: wall time per update x{part['per_update'] / sync['per_update']:.2f}, "
-          f"per trained sample x{part['per_sample'] / sync['per_sample']:.2f}, "
-          f"learner idle fraction x{part['idle'] / sync['idle']:.2f}")
+    budgets = trace(args, 200_000)
+    q = lambda x, p: float(np.percentile(x, p))  # noqa: E731
+    print(f"trace: log-normal, median {args.median:g}, sigma {args.sigma:g}, cap {args.cap}: p50 {q(budgets, 50):.0f}, "
+          f"p90 {q(budgets, 90):.0f}, p99 {q(budgets, 99):.0f} tokens, p99/p50 = {q(budgets, 99) / q(budgets, 50):.1f} "
+          f"(uncut: {math.exp(2.3263 * args.sigma):.1f}), mean {budgets.mean():.1f}")
+    sync = run_mode(False, args, tok, budgets)
+    part = run_mode(True, args, tok, budgets)
+    K = args.group_size
+    for name, r in (("synchronous", sync), (f"partial (lambda={args.lam:g})", part)):
+        L = r["lens"]
+        print(f"{name:>22}: {r['groups']} groups x {K} in flight, {r['trained']} samples in {r['updates']} updates "
+              f"({r['trained'] / r['updates']:.1f}/update; their p99/p50 {q(L, 99) / q(L, 50):.1f}), {r['wall']:.1f} s: "
+              f"{r['sps']:.2f} trained samples/s, learner idle {r['idle']:.1%}, mean decode batch {r['batch']:.1f} seqs, "
+              f"{r['per_update']:.2f} s/update ({r['upd'] / r['updates']:.2f} s update + refit); "
+              f"staleness {r['stale']:.2f} versions/token, a sample spans <= {r['span']} versions")
+    print(f"partial / synchronous: trained samples per second x{part['sps'] / sync['sps']:.2f}, "
+          f"learner idle fraction x{part['idle'] / sync['idle']:.2f}, "
+          f"mean decode batch x{part['batch'] / sync['batch']:.2f}")
     return 0
 
 

@@ -48,65 +48,119 @@ def trace(args, n: int) -> np.ndarray:
     return np.clip(np.rint(args.median * np.exp(args.sigma * rng.standard_normal(n))), 1, args.cap).astype(int)
 
 
-def run_mode(partial: bool, args, tok, budgets_all) -> dict:
-    from megak3.config import load_model_config
-    from megak3.data.config import DataConfig
-    from megak3.optim.config import OptimConfig
-    from megak3.posttrain.rl import RLConfig, RLRunner
-    from megak3.job.config import JobConfig, TrainConfig
-    from parallel.testing import PARITY_MODEL
+def group_triggered(RLRunner):
+    """PROTOTYPE of a loop change, not in megak3/posttrain/rl.py (labelled "partial, group trigger" in the
+    output): RLRunner.generate with two differences. (1) The update starts once ``update_groups`` groups
+    have all K samples finished, instead of once ceil(lambda N K) samples are (rl.py's trigger counts the
+    finished members of carried-over groups, so under a long tail its updates shrink to one or two
+    groups, each paying an update and a refit). (2) A staleness bound: a sample whose first token is
+    ``max_stale`` or more versions old is run to its end before this update, so every trained token is at
+    most ``max_stale`` policy versions behind the update that trains it."""
 
-    K = args.group_size
-    job = JobConfig(model=load_model_config("k3_tiny", **PARITY_MODEL), data=DataConfig(vocab_size=512),
-                    optim=OptimConfig(lr=1e-3, warmup_steps=0, min_lr_ratio=1.0),
-                    train=TrainConfig(max_steps=10 ** 6, global_batch_size=1, micro_batch_size=1, seed=1)).validate()
-    groups = args.update // K * (args.inflight if partial else 1)
-    rl = RLConfig(prompts=groups, group_size=K, max_tokens=args.cap, temperature=1.0,
-                  partial_fraction=args.lam if partial else 1.0, ignore_eos=True,
-                  micro_batch_size=args.micro_batch, iterations=10 ** 6, seed=1)
-    next_group = iter(range(10 ** 9))
-    budgets = lambda: [int(b) for b in budgets_all[next(next_group) * K:][:K]]  # noqa: E731
-    runner = RLRunner(job, rl, tok, budgets=budgets,
-                      engine_options={"page_size": 16, "num_pages": 8192, "max_batch": 1024})
-    steps = {"n": 0, "seqs": 0}
-    decode = runner.engine._decode
+    class GroupTriggered(RLRunner):
+        update_groups = 1
+        max_stale = 1
 
-    def counted(seqs):  # measures the decode batch; the step itself is the engine's
-        steps["n"] += 1
-        steps["seqs"] += len(seqs)
-        return decode(seqs)
+        def generate(self) -> dict:
+            rl, buf = self.rl, self.buffer
+            for _ in range(rl.prompts - buf.num_groups()):
+                ids, answer = next(self.prompts)
+                self.prompts_used += 1
+                buf.add_prompt(ids, self.budgets() if self.budgets else rl.max_tokens, answer)
+            t0 = time.perf_counter()
 
-    runner.engine._decode = counted
-    seen = {"lens": [], "span": 0, "stale": 0.0, "tokens": 0}
-    update = runner.update
+            def blocked() -> bool:
+                done, oldest = {}, {}
+                for r in buf.rollouts.values():
+                    done[r.group] = done.get(r.group, 0) + r.finished
+                    oldest[r.group] = min([oldest.get(r.group, self.version)] + r.versions[:1])
+                if sum(n == rl.group_size for n in done.values()) < self.update_groups:
+                    return True  # a group is trained once all K are finished: the group's oldest token counts
+                return any(self.version - oldest[r.group] >= self.max_stale for r in buf.unfinished())
 
-    def watched(samples, adv):  # records what is trained on; the update itself is RLRunner's
-        for r in samples:
-            seen["lens"].append(len(r.token_ids))
-            seen["span"] = max(seen["span"], max(r.versions) - min(r.versions) + 1)
-            seen["stale"] += sum(runner.version - v for v in r.versions)
-            seen["tokens"] += len(r.versions)
-        return update(samples, adv)
+            while buf.unfinished() and blocked():
+                self.sampler.run(buf.unfinished(), self.version, stop_after=1)
+            return {"gen_s": time.perf_counter() - t0, "paused": len(buf.unfinished())}
 
-    runner.update = watched
-    while not runner.iteration().get("trained"):  # warm-up update, not timed
-        pass
-    steps.update(n=0, seqs=0)
-    seen.update(lens=[], span=0, stale=0.0, tokens=0)
-    trained, updates, gen_s, upd_s = 0, 0, 0.0, 0.0
-    t0 = time.perf_counter()
-    while trained < args.samples:
-        rec = runner.iteration()
-        gen_s += rec["gen_s"]
+    return GroupTriggered
+
+
+class Mode:
+    """One RL run of the comparison; :meth:`step` runs one iteration of its loop and adds up its time."""
+
+    def __init__(self, name: str, kind: str, args, tok, budgets_all):
+        from megak3.config import load_model_config
+        from megak3.data.config import DataConfig
+        from megak3.optim.config import OptimConfig
+        from megak3.posttrain.rl import RLConfig, RLRunner
+        from megak3.job.config import JobConfig, TrainConfig
+        from parallel.testing import PARITY_MODEL
+
+        K = args.group_size
+        job = JobConfig(model=load_model_config("k3_tiny", **PARITY_MODEL), data=DataConfig(vocab_size=512),
+                        optim=OptimConfig(lr=1e-3, warmup_steps=0, min_lr_ratio=1.0),
+                        train=TrainConfig(max_steps=10 ** 6, global_batch_size=1, micro_batch_size=1,
+                                          seed=1)).validate()
+        self.name, self.args = name, args
+        self.groups = args.update // K * (1 if kind == "sync" else args.inflight)
+        rl = RLConfig(prompts=self.groups, group_size=K, max_tokens=args.cap, temperature=1.0,
+                      partial_fraction=args.lam if kind == "partial" else 1.0, ignore_eos=True,
+                      micro_batch_size=args.micro_batch, iterations=10 ** 6, seed=1)
+        next_group = iter(range(10 ** 9))
+        budgets = lambda: [int(b) for b in budgets_all[next(next_group) * K:][:K]]  # noqa: E731
+        cls = RLRunner
+        if kind == "group":
+            cls = group_triggered(RLRunner)
+            cls.update_groups, cls.max_stale = args.update // K, args.max_stale
+        self.runner = runner = cls(job, rl, tok, budgets=budgets,
+                                   engine_options={"page_size": 16, "num_pages": 8192, "max_batch": 1024})
+        self.steps = {"n": 0, "seqs": 0}
+        decode = runner.engine._decode
+
+        def counted(seqs):  # measures the decode batch; the step itself is the engine's
+            self.steps["n"] += 1
+            self.steps["seqs"] += len(seqs)
+            return decode(seqs)
+
+        runner.engine._decode = counted
+        self.seen = {"lens": [], "span": 0, "stale": 0, "tokens": 0}
+        update = runner.update
+
+        def watched(samples, adv):  # records what is trained on; the update itself is RLRunner's
+            for r in samples:
+                self.seen["lens"].append(len(r.token_ids))
+                self.seen["span"] = max(self.seen["span"], max(r.versions) - min(r.versions) + 1)
+                self.seen["stale"] += sum(runner.version - v for v in r.versions)
+                self.seen["tokens"] += len(r.versions)
+            return update(samples, adv)
+
+        runner.update = watched
+        while not runner.iteration().get("trained"):  # warm-up update, not timed
+            pass
+        self.steps.update(n=0, seqs=0)
+        self.seen.update(lens=[], span=0, stale=0, tokens=0)
+        self.wall, self.trained, self.updates, self.gen, self.upd = 0.0, 0, 0, 0.0, 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.trained >= self.args.samples
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        rec = self.runner.iteration()
+        self.wall += time.perf_counter() - t0
+        self.gen += rec["gen_s"]
         if rec.get("trained"):
-            trained += rec["trained"]
-            updates += 1
-            upd_s += rec["train_s"] + rec["refit_s"]
-    wall = time.perf_counter() - t0
-    return {"wall": wall, "updates": updates, "trained": trained, "gen": gen_s, "upd": upd_s,
-            "sps": trained / wall, "idle": gen_s / wall, "batch": steps["seqs"] / max(steps["n"], 1),
-            "decode_steps": steps["n"], "per_update": wall / updates, "groups": groups,
-            "lens": np.array(seen["lens"]), "span": seen["span"], "stale": seen["stale"] / max(seen["tokens"], 1)}
+            self.trained += rec["trained"]
+            self.updates += 1
+            self.upd += rec["train_s"] + rec["refit_s"]
+
+    def result(self) -> dict:
+        return {"wall": self.wall, "updates": self.updates, "trained": self.trained, "upd": self.upd,
+                "sps": self.trained / self.wall, "idle": self.gen / self.wall, "groups": self.groups,
+                "batch": self.steps["seqs"] / max(self.steps["n"], 1), "per_update": self.wall / self.updates,
+                "lens": np.array(self.seen["lens"]), "span": self.seen["span"],
+                "stale": self.seen["stale"] / max(self.seen["tokens"], 1)}
 
 
 def main(argv=None) -> int:
@@ -115,20 +169,23 @@ def main(argv=None) -> int:
     ap.add_argument("--update", type=int, default=32, help="samples per update of the synchronous mode")
     ap.add_argument("--inflight", type=int, default=2,
                     help="partial mode: groups in the engine, as a multiple of the synchronous update's")
-    ap.add_argument("--lam", type=float, default=0.5, help="partial mode: rl.partial_fraction")
-    ap.add_argument("--samples", type=int, default=160, help="trained samples per mode after the warm-up")
+    ap.add_argument("--lam", type=float, default=0.9, help="partial mode: rl.partial_fraction")
+    ap.add_argument("--samples", type=int, default=256, help="trained samples per mode after the warm-up")
     ap.add_argument("--median", type=float, default=8.0, help="median response tokens of the trace")
     ap.add_argument("--sigma", type=float, default=1.3, help="log-normal shape of the trace (p99/p50 = e^2.326s)")
     ap.add_argument("--cap", type=int, default=512, help="longest response budget")
     ap.add_argument("--micro-batch", type=int, default=8, help="rl.micro_batch_size of the update")
+    ap.add_argument("--max-stale", type=int, default=0,
+                    help="also run the prototype group-triggered loop with this staleness bound (0: not run)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small", action="store_true", help="a seconds-long run (tests): tiny trace and update")
     args = ap.parse_args(argv)
     if args.small:
         args.group_size, args.update, args.samples, args.median, args.cap = 2, 4, 8, 2.0, 48
-    for name in ("group_size", "update", "inflight", "samples", "cap", "micro_batch"):
-        if getattr(args, name) < 1:
-            print(f"error: --{name.replace('_', '-')}={getattr(args, name)} must be >= 1", file=sys.stderr)
+    for name in ("group_size", "update", "inflight", "samples", "cap", "micro_batch", "max_stale"):
+        if getattr(args, name) < (0 if name == "max_stale" else 1):
+            print(f"error: --{name.replace('_', '-')}={getattr(args, name)} must be >= "
+                  f"{0 if name == 'max_stale' else 1}", file=sys.stderr)
             return 2
     if args.update % args.group_size:
         print(f"error: --update={args.update} must be a multiple of --group-size={args.group_size}", file=sys.stderr)
@@ -150,19 +207,29 @@ def main(argv=None) -> int:
     print(f"trace: log-normal, median {args.median:g}, sigma {args.sigma:g}, cap {args.cap}: p50 {q(budgets, 50):.0f}, "
           f"p90 {q(budgets, 90):.0f}, p99 {q(budgets, 99):.0f} tokens, p99/p50 = {q(budgets, 99) / q(budgets, 50):.1f} "
           f"(uncut: {math.exp(2.3263 * args.sigma):.1f}), mean {budgets.mean():.1f}")
-    sync = run_mode(False, args, tok, budgets)
-    part = run_mode(True, args, tok, budgets)
+    modes = [Mode("synchronous", "sync", args, tok, budgets),
+             Mode(f"partial (lambda={args.lam:g})", "partial", args, tok, budgets)]
+    if args.max_stale:
+        modes.append(Mode(f"partial, group trigger*", "group", args, tok, budgets))
+    while not all(m.done for m in modes):  # interleaved: the machine's load falls on every mode alike
+        min((m for m in modes if not m.done), key=lambda m: m.wall).step()
+    res = [m.result() for m in modes]
     K = args.group_size
-    for name, r in (("synchronous", sync), (f"partial (lambda={args.lam:g})", part)):
+    for m, r in zip(modes, res):
+        name = m.name
         L = r["lens"]
-        print(f"{name:>22}: {r['groups']} groups x {K} in flight, {r['trained']} samples in {r['updates']} updates "
+        print(f"{name:>24}: {r['groups']} groups x {K} in flight, {r['trained']} samples in {r['updates']} updates "
               f"({r['trained'] / r['updates']:.1f}/update; their p99/p50 {q(L, 99) / q(L, 50):.1f}), {r['wall']:.1f} s: "
               f"{r['sps']:.2f} trained samples/s, learner idle {r['idle']:.1%}, mean decode batch {r['batch']:.1f} seqs, "
               f"{r['per_update']:.2f} s/update ({r['upd'] / r['updates']:.2f} s update + refit); "
               f"staleness {r['stale']:.2f} versions/token, a sample spans <= {r['span']} versions")
-    print(f"partial / synchronous: trained samples per second x{part['sps'] / sync['sps']:.2f}, "
-          f"learner idle fraction x{part['idle'] / sync['idle']:.2f}, "
-          f"mean decode batch x{part['batch'] / sync['batch']:.2f}")
+    sync = res[0]
+    for m, r in zip(modes[1:], res[1:]):
+        print(f"{m.name} / synchronous: trained samples per second x{r['sps'] / sync['sps']:.2f}, "
+              f"learner idle fraction x{r['idle'] / sync['idle']:.2f}, mean decode batch x{r['batch'] / sync['batch']:.2f}")
+    if args.max_stale:
+        print(f"* a prototype loop change inside this tool, not rl.py: update once {args.update // K} groups are "
+              f"finished, a sample at most {args.max_stale} versions stale at its update (group_triggered)")
     return 0
 
 

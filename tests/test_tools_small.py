@@ -141,3 +141,17 @@ def test_bench_overlap(tmp_path):
 def test_bench_long_context(tmp_path):
     out = _tool(tmp_path, "bench_long_context", "--T", "256", "--cp", "2", "--recompute", "none")
     assert re.search(r"^\s+256\s+none\s+[\d.]+ MiB\s+1\.00", out, re.M), out
+
+
+def test_bench_rollout(tmp_path):
+    out = _tool(tmp_path, "bench_rollout", "--small", "--max-stale", "1")
+    m = re.search(r"^trace: log-normal.*p99/p50 = ([\d.]+)", out, re.M)
+    assert m and float(m[1]) >= 20, out  # the long tail the comparison is about
+    sync = re.search(r"synchronous: 2 groups x 2 in flight, (\d+) samples in (\d+) updates \(4\.0/update.*"
+                     r"staleness 0\.00 versions/token, a sample spans <= 1 versions", out)
+    assert sync and int(sync[1]) >= 8, out  # synchronous: whole updates of N K samples, never stale
+    group = re.search(r"partial, group trigger\*: .*a sample spans <= (\d+) versions", out)
+    assert group and int(group[1]) <= 2, out  # the prototype's bound: tokens at most 1 version stale
+    for mode in (r"partial \(lambda=0\.9\)", r"partial, group trigger\*"):
+        assert re.search(mode + r" / synchronous: trained samples per second x[\d.]+, learner idle fraction "
+                         r"x[\d.]+, mean decode batch x[\d.]+", out), (mode, out)

@@ -123,11 +123,17 @@ class Mode:
             return decode(seqs)
 
         runner.engine._decode = counted
-        self.seen = {"lens": [], "span": 0, "stale": 0, "tokens": 0}
+        self.window = -(-args.samples // K)
+        """groups 0 .. window-1 are the measured work (the same prompts and budgets in every mode)"""
+        self.seen = {"lens": [], "span": 0, "stale": 0, "tokens": 0, "window": 0, "extra": 0}
         update = runner.update
 
         def watched(samples, adv):  # records what is trained on; the update itself is RLRunner's
             for r in samples:
+                if r.group >= self.window:
+                    self.seen["extra"] += 1
+                    continue
+                self.seen["window"] += 1
                 self.seen["lens"].append(len(r.token_ids))
                 self.seen["span"] = max(self.seen["span"], max(r.versions) - min(r.versions) + 1)
                 self.seen["stale"] += sum(runner.version - v for v in r.versions)
@@ -135,15 +141,15 @@ class Mode:
             return update(samples, adv)
 
         runner.update = watched
-        while not runner.iteration().get("trained"):  # warm-up update, not timed
-            pass
-        self.steps.update(n=0, seqs=0)
-        self.seen.update(lens=[], span=0, stale=0, tokens=0)
-        self.wall, self.trained, self.updates, self.gen, self.upd = 0.0, 0, 0, 0.0, 0.0
+        self.wall, self.updates, self.gen, self.upd = 0.0, 0, 0.0, 0.0
+
+    @property
+    def trained(self) -> int:
+        return self.seen["window"]
 
     @property
     def done(self) -> bool:
-        return self.trained >= self.args.samples
+        return self.trained >= self.window * self.args.group_size
 
     def step(self) -> None:
         t0 = time.perf_counter()
@@ -151,12 +157,12 @@ class Mode:
         self.wall += time.perf_counter() - t0
         self.gen += rec["gen_s"]
         if rec.get("trained"):
-            self.trained += rec["trained"]
             self.updates += 1
             self.upd += rec["train_s"] + rec["refit_s"]
 
     def result(self) -> dict:
         return {"wall": self.wall, "updates": self.updates, "trained": self.trained, "upd": self.upd,
+                "extra": self.seen["extra"],
                 "sps": self.trained / self.wall, "idle": self.gen / self.wall, "groups": self.groups,
                 "batch": self.steps["seqs"] / max(self.steps["n"], 1), "per_update": self.wall / self.updates,
                 "lens": np.array(self.seen["lens"]), "span": self.seen["span"],
@@ -181,7 +187,7 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="a seconds-long run (tests): tiny trace and update")
     args = ap.parse_args(argv)
     if args.small:
-        args.group_size, args.update, args.samples, args.median, args.cap = 2, 4, 8, 2.0, 48
+        args.group_size, args.update, args.samples, args.median, args.cap = 2, 4, 16, 2.0, 48
     for name in ("group_size", "update", "inflight", "samples", "cap", "micro_batch", "max_stale"):
         if getattr(args, name) < (0 if name == "max_stale" else 1):
             print(f"error: --{name.replace('_', '-')}={getattr(args, name)} must be >= "
@@ -216,12 +222,12 @@ def main(argv=None) -> int:
     res = [m.result() for m in modes]
     K = args.group_size
     for m, r in zip(modes, res):
-        name = m.name
         L = r["lens"]
-        print(f"{name:>24}: {r['groups']} groups x {K} in flight, {r['trained']} samples in {r['updates']} updates "
-              f"({r['trained'] / r['updates']:.1f}/update; their p99/p50 {q(L, 99) / q(L, 50):.1f}), {r['wall']:.1f} s: "
-              f"{r['sps']:.2f} trained samples/s, learner idle {r['idle']:.1%}, mean decode batch {r['batch']:.1f} seqs, "
-              f"{r['per_update']:.2f} s/update ({r['upd'] / r['updates']:.2f} s update + refit); "
+        print(f"{m.name:>24}: {r['groups']} groups x {K} in flight; {r['trained']} samples of groups 0-{m.window - 1} "
+              f"(lengths p50 {q(L, 50):.0f}, p99 {q(L, 99):.0f}, max {L.max()}) trained in {r['wall']:.1f} s, "
+              f"{r['updates']} updates ({(r['trained'] + r['extra']) / r['updates']:.1f} samples/update, "
+              f"{r['extra']} of later groups): {r['sps']:.2f} trained samples/s, learner idle {r['idle']:.1%}, "
+              f"mean decode batch {r['batch']:.1f} seqs, {r['upd'] / r['updates']:.2f} s update + refit per update; "
               f"staleness {r['stale']:.2f} versions/token, a sample spans <= {r['span']} versions")
     sync = res[0]
     for m, r in zip(modes[1:], res[1:]):

@@ -1,31 +1,37 @@
 #!/usr/bin/env python
 """Partial vs synchronous rollouts on a long-tailed (agent-like) response-length trace, same work, one run.
 
-    python tools/bench_rollout.py            # a few minutes on 2 shared CPU cores
-    python tools/bench_rollout.py --small    # seconds: checks that it runs and prints the ratios
+    python tools/bench_rollout.py                 # about 5 min on 2 shared CPU cores (3 modes)
+    python tools/bench_rollout.py --small         # seconds: checks that it runs and prints the ratios
 
-Both modes run the real loop (megak3/posttrain/rl.py RLRunner: engine rollouts through PartialRollouts,
+Every mode runs the real loop (megak3/posttrain/rl.py RLRunner: engine rollouts through PartialRollouts,
 the RankStep update, the in-memory refit) on the same tiny random K3 (parallel.testing's PARITY_MODEL
-widths), the same prompt stream and the same per-sample budgets: group g of either mode gets the g-th
+widths), the same prompt stream and the same per-sample budgets: group g of every mode gets the g-th
 prompt and the g-th K budgets of one seeded trace. Every sample runs to its budget (rl.ignore_eos), so the
-response lengths are exactly the trace: log-normal with median ``--median`` tokens and shape
-``--sigma`` (p99/p50 = exp(2.326 sigma), 20.5 at sigma 1.3), cut at ``--cap``; most samples are short, a
-few are 20-40x the median, as in agent episodes, where most tasks end in a few turns and some run long.
-The trace's quantiles are printed (of the distribution and of the samples trained).
+response lengths are exactly the trace: log-normal with median ``--median`` tokens and shape ``--sigma``
+(p99/p50 = exp(2.326 sigma), 20.6 at sigma 1.3), cut at ``--cap``: most samples are short and a few are
+20-60x the median, as agent episodes are (most tasks end in a few turns, some run long). The trace's
+quantiles are printed, and those of the samples trained.
+
+The work is the same in every mode: groups 0 .. ceil(samples / K) - 1 trained, timed from the first
+iteration (engine and trainer built before). A partial mode has also generated, and may have trained,
+later groups by then; that work is in its time but not in its trained samples.
 
 Staleness: RLConfig has no staleness bound (no rl.max_staleness: a paused sample continues until its
-budget is spent, whatever the number of updates in between), so the modes are compared at equal update
-size: ``--update`` samples per optimizer step in the synchronous mode (rl.prompts = update / K,
-lambda = 1) and about as many in the partial mode, which keeps ``--inflight`` times as many groups in the
-engine (rl.prompts = inflight * update / K) and updates once ``--lam`` of them are finished
-(rl.partial_fraction); mean samples per update of both are printed, so is the staleness the partial mode
-reached (mean policy versions behind per trained token, and the most versions one trained sample spans).
+budget is spent, however many updates pass), so rl.py's partial mode is compared at about equal update
+size: ``--update`` samples per update in the synchronous mode (rl.prompts = update / K, lambda = 1), and
+``--inflight`` times as many groups in the engine in the partial mode (rl.prompts = inflight * update / K),
+which updates once ``--lam`` of them are finished (rl.partial_fraction); the samples per update of each
+and the staleness the partial mode reached (mean versions behind per trained token, the most versions one
+trained sample spans) are printed. ``--max-stale S`` adds a third mode, a prototype loop change inside
+this tool (group_triggered, not in rl.py): the update starts once update / K groups are finished, and no
+trained token is more than S versions stale.
 
-Each mode trains ``--samples`` samples after one warm-up update (its time excluded: the partial mode's
-first iteration starts from an empty engine). Printed per mode: trained samples per second, the learner's
-idle fraction (the share of wall time spent generating, when the colocated learner waits), the mean
-decode batch (sequences per decode step, i.e. decode-batch occupancy) and seconds per update; then the
-partial / synchronous ratios.
+Printed per mode: trained samples per second, the learner's idle fraction (the share of the mode's time
+spent generating, when the colocated learner waits), the mean decode batch (sequences per decode step:
+the decode-batch occupancy) and the update + refit seconds per update; then the ratios against the
+synchronous mode. The modes are interleaved iteration by iteration (the one with the least time so far
+goes next), so a change in the machine's load falls on all of them alike.
 """
 from __future__ import annotations
 
@@ -181,8 +187,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sigma", type=float, default=1.3, help="log-normal shape of the trace (p99/p50 = e^2.326s)")
     ap.add_argument("--cap", type=int, default=512, help="longest response budget")
     ap.add_argument("--micro-batch", type=int, default=8, help="rl.micro_batch_size of the update")
-    ap.add_argument("--max-stale", type=int, default=0,
-                    help="also run the prototype group-triggered loop with this staleness bound (0: not run)")
+    ap.add_argument("--max-stale", type=int, default=2,
+                    help="staleness bound of the prototype group-triggered loop, a third mode (0: not run)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small", action="store_true", help="a seconds-long run (tests): tiny trace and update")
     args = ap.parse_args(argv)
@@ -232,10 +238,11 @@ def main(argv=None) -> int:
     sync = res[0]
     for m, r in zip(modes[1:], res[1:]):
         print(f"{m.name} / synchronous: trained samples per second x{r['sps'] / sync['sps']:.2f}, "
-              f"learner idle fraction x{r['idle'] / sync['idle']:.2f}, mean decode batch x{r['batch'] / sync['batch']:.2f}")
+              f"learner idle fraction x{r['idle'] / sync['idle']:.2f}, "
+              f"mean decode batch x{r['batch'] / sync['batch']:.2f}")
     if args.max_stale:
         print(f"* a prototype loop change inside this tool, not rl.py: update once {args.update // K} groups are "
-              f"finished, a sample at most {args.max_stale} versions stale at its update (group_triggered)")
+              f"finished, no trained token more than {args.max_stale} versions stale (group_triggered)")
     return 0
 
 

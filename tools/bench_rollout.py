@@ -23,9 +23,9 @@ size: ``--update`` samples per update in the synchronous mode (rl.prompts = upda
 ``--inflight`` times as many groups in the engine in the partial mode (rl.prompts = inflight * update / K),
 which updates once ``--lam`` of them are finished (rl.partial_fraction); the samples per update of each
 and the staleness the partial mode reached (mean versions behind per trained token, the most versions one
-trained sample spans) are printed. ``--max-stale S`` adds a third mode, a prototype loop change inside
-this tool (group_triggered, not in rl.py): the update starts once update / K groups are finished, and no
-trained token is more than S versions stale.
+trained sample spans) are printed. ``--max-stale S`` (default 2; 0: off) runs a third mode, a
+prototype loop change inside this tool (group_triggered, not in rl.py): the update starts once
+update / K groups are finished, and no trained token is more than S versions stale.
 
 Printed per mode: trained samples per second, the learner's idle fraction (the share of the mode's time
 spent generating, when the colocated learner waits), the mean decode batch (sequences per decode step:
@@ -168,7 +168,7 @@ class Mode:
 
     def result(self) -> dict:
         return {"wall": self.wall, "updates": self.updates, "trained": self.trained, "upd": self.upd,
-                "extra": self.seen["extra"],
+                "extra": self.seen["extra"], "all_sps": (self.trained + self.seen["extra"]) / self.wall,
                 "sps": self.trained / self.wall, "idle": self.gen / self.wall, "groups": self.groups,
                 "batch": self.steps["seqs"] / max(self.steps["n"], 1), "per_update": self.wall / self.updates,
                 "lens": np.array(self.seen["lens"]), "span": self.seen["span"],
@@ -232,12 +232,14 @@ def main(argv=None) -> int:
         print(f"{m.name:>24}: {r['groups']} groups x {K} in flight; {r['trained']} samples of groups 0-{m.window - 1} "
               f"(lengths p50 {q(L, 50):.0f}, p99 {q(L, 99):.0f}, max {L.max()}) trained in {r['wall']:.1f} s, "
               f"{r['updates']} updates ({(r['trained'] + r['extra']) / r['updates']:.1f} samples/update, "
-              f"{r['extra']} of later groups): {r['sps']:.2f} trained samples/s, learner idle {r['idle']:.1%}, "
+              f"{r['extra']} of later groups): {r['sps']:.2f} trained samples/s ({r['all_sps']:.2f} with those), "
+              f"learner idle {r['idle']:.1%}, "
               f"mean decode batch {r['batch']:.1f} seqs, {r['upd'] / r['updates']:.2f} s update + refit per update; "
               f"staleness {r['stale']:.2f} versions/token, a sample spans <= {r['span']} versions")
     sync = res[0]
     for m, r in zip(modes[1:], res[1:]):
-        print(f"{m.name} / synchronous: trained samples per second x{r['sps'] / sync['sps']:.2f}, "
+        print(f"{m.name} / synchronous: trained samples per second x{r['sps'] / sync['sps']:.2f} "
+              f"(x{r['all_sps'] / sync['all_sps']:.2f} counting later groups' samples), "
               f"learner idle fraction x{r['idle'] / sync['idle']:.2f}, "
               f"mean decode batch x{r['batch'] / sync['batch']:.2f}")
     if args.max_stale:

@@ -13,9 +13,10 @@ response lengths are exactly the trace: log-normal with median ``--median`` toke
 20-60x the median, as agent episodes are (most tasks end in a few turns, some run long). The trace's
 quantiles are printed, and those of the samples trained.
 
-The work is the same in every mode: groups 0 .. ceil(samples / K) - 1 trained, timed from the first
-iteration (engine and trainer built before). A partial mode has also generated, and may have trained,
-later groups by then; that work is in its time but not in its trained samples.
+The work is the same in every mode: the prompt set is ceil(samples / K) groups (no prompt joins after
+them, so the loop drains at the end), every mode trains all of them, and the time counts from the first
+iteration (engine and trainer built before) to the last update: the same tokens generated, the same
+samples trained, only the schedule differs.
 
 Staleness: RLConfig has no staleness bound (no rl.max_staleness: a paused sample continues until its
 budget is spent, however many updates pass), so rl.py's partial mode is compared at about equal update
@@ -131,14 +132,11 @@ class Mode:
         runner.engine._decode = counted
         self.window = -(-args.samples // K)
         """groups 0 .. window-1 are the measured work (the same prompts and budgets in every mode)"""
-        self.seen = {"lens": [], "span": 0, "stale": 0, "tokens": 0, "window": 0, "extra": 0}
+        self.seen = {"lens": [], "span": 0, "stale": 0, "tokens": 0, "window": 0}
         update = runner.update
 
         def watched(samples, adv):  # records what is trained on; the update itself is RLRunner's
             for r in samples:
-                if r.group >= self.window:
-                    self.seen["extra"] += 1
-                    continue
                 self.seen["window"] += 1
                 self.seen["lens"].append(len(r.token_ids))
                 self.seen["span"] = max(self.seen["span"], max(r.versions) - min(r.versions) + 1)
@@ -150,6 +148,14 @@ class Mode:
             return out
 
         runner.update = watched
+        add_prompt = runner.buffer.add_prompt
+
+        admitted = iter(range(10 ** 9))
+
+        def finite(prompt_ids, budget, answer=None):  # the prompt set ends after the window: the loop drains
+            return add_prompt(prompt_ids, budget, answer) if next(admitted) < self.window else []
+
+        runner.buffer.add_prompt = finite
         self.wall, self.updates, self.gen, self.upd = 0.0, 0, 0.0, 0.0
         self.clock = time.perf_counter if args.wall_clock else time.process_time
         generate, refit = runner.generate, runner.refit
@@ -184,9 +190,9 @@ class Mode:
 
     def result(self) -> dict:
         return {"wall": self.wall, "updates": self.updates, "trained": self.trained, "upd": self.upd,
-                "extra": self.seen["extra"], "all_sps": (self.trained + self.seen["extra"]) / self.wall,
                 "sps": self.trained / self.wall, "idle": self.gen / self.wall, "groups": self.groups,
-                "batch": self.steps["seqs"] / max(self.steps["n"], 1), "per_update": self.wall / self.updates,
+                "batch": self.steps["seqs"] / max(self.steps["n"], 1), "steps": self.steps["n"],
+                "per_update": self.wall / self.updates,
                 "lens": np.array(self.seen["lens"]), "span": self.seen["span"],
                 "stale": self.seen["stale"] / max(self.seen["tokens"], 1)}
 
@@ -251,15 +257,15 @@ def main(argv=None) -> int:
         L = r["lens"]
         print(f"{m.name:>24}: {r['groups']} groups x {K} in flight; {r['trained']} samples of groups 0-{m.window - 1} "
               f"(lengths p50 {q(L, 50):.0f}, p99 {q(L, 99):.0f}, max {L.max()}) trained in {r['wall']:.1f} s, "
-              f"{r['updates']} updates ({(r['trained'] + r['extra']) / r['updates']:.1f} samples/update, "
-              f"{r['extra']} of later groups): {r['sps']:.2f} trained samples/s ({r['all_sps']:.2f} with those), "
+              f"{r['updates']} updates ({r['trained'] / r['updates']:.1f} samples/update): "
+              f"{r['sps']:.2f} trained samples/s, "
               f"learner idle {r['idle']:.1%}, "
-              f"mean decode batch {r['batch']:.1f} seqs, {r['upd'] / r['updates']:.2f} s update + refit per update; "
+              f"mean decode batch {r['batch']:.1f} seqs ({r['steps']} decode steps), "
+              f"{r['upd'] / r['updates']:.2f} s update + refit per update; "
               f"staleness {r['stale']:.2f} versions/token, a sample spans <= {r['span']} versions")
     sync = res[0]
     for m, r in zip(modes[1:], res[1:]):
-        print(f"{m.name} / synchronous: trained samples per second x{r['sps'] / sync['sps']:.2f} "
-              f"(x{r['all_sps'] / sync['all_sps']:.2f} counting later groups' samples), "
+        print(f"{m.name} / synchronous: trained samples per second x{r['sps'] / sync['sps']:.2f}, "
               f"learner idle fraction x{r['idle'] / sync['idle']:.2f}, "
               f"mean decode batch x{r['batch'] / sync['batch']:.2f}")
     if args.max_stale:

@@ -150,11 +150,10 @@ def test_bench_rollout(tmp_path):
     rows = {m[1]: m[0] for m in re.finditer(r"^\s*(synchronous|partial \(lambda=0\.9\)|partial, group trigger\*): "
                                             r"\d+ groups x 2 in flight; 16 samples of groups 0-7 .*", out, re.M)}
     assert len(rows) == 3, out  # every mode trained the same 8 groups of 2
-    assert re.search(r"\(4\.0 samples/update, 0 of later groups\).*staleness 0\.00 versions/token, "
+    assert re.search(r"\(4\.0 samples/update\).*staleness 0\.00 versions/token, "
                      r"a sample spans <= 1 versions", rows["synchronous"]), out  # whole updates, never stale
     span = re.search(r"a sample spans <= (\d+) versions", rows["partial, group trigger*"])
     assert span and int(span[1]) <= 2, out  # the prototype's bound: no trained token more than 1 version stale
     for mode in (r"partial \(lambda=0\.9\)", r"partial, group trigger\*"):
-        ratios = (r" / synchronous: trained samples per second x[\d.]+ \(x[\d.]+ counting later groups' samples\), "
-                  r"learner idle fraction x[\d.]+, mean decode batch x[\d.]+")
+        ratios = r" / synchronous: trained samples per second x[\d.]+, learner idle fraction x[\d.]+, mean decode batch x"
         assert re.search(mode + ratios, out), (mode, out)

@@ -32,7 +32,8 @@ Printed per mode: trained samples per second, the learner's idle fraction (the s
 spent generating, when the colocated learner waits), the mean decode batch (sequences per decode step:
 the decode-batch occupancy) and the update + refit seconds per update; then the ratios against the
 synchronous mode. The modes are interleaved iteration by iteration (the one with the least time so far
-goes next), so a change in the machine's load falls on all of them alike.
+goes next), so a change in the machine's load falls on all of them alike. Measured figures and why partial
+rollouts pay what they do here: README.md, "Post-training".
 """
 from __future__ import annotations
 

@@ -16,7 +16,9 @@ quantiles are printed, and those of the samples trained.
 The work is the same in every mode: the prompt set is ceil(samples / K) groups (no prompt joins after
 them, so the loop drains at the end), every mode trains all of them, and the time counts from the first
 iteration (engine and trainer built before) to the last update: the same tokens generated, the same
-samples trained, only the schedule differs.
+samples trained, only the schedule differs. With ``--endless`` the prompt stream goes on (as in a long
+run): each mode is timed until those groups are trained, and the work it did on later groups meanwhile
+counts in its time but not in its trained samples (a bias against the partial modes).
 
 Staleness: RLConfig has no staleness bound (no rl.max_staleness: a paused sample continues until its
 budget is spent, however many updates pass), so rl.py's partial mode is compared at about equal update
@@ -133,11 +135,14 @@ class Mode:
         runner.engine._decode = counted
         self.window = -(-args.samples // K)
         """groups 0 .. window-1 are the measured work (the same prompts and budgets in every mode)"""
-        self.seen = {"lens": [], "span": 0, "stale": 0, "tokens": 0, "window": 0}
+        self.seen = {"lens": [], "span": 0, "stale": 0, "tokens": 0, "window": 0, "all": 0}
         update = runner.update
 
         def watched(samples, adv):  # records what is trained on; the update itself is RLRunner's
+            self.seen["all"] += len(samples)
             for r in samples:
+                if r.group >= self.window:  # --endless: a later group's sample (its work is in the time)
+                    continue
                 self.seen["window"] += 1
                 self.seen["lens"].append(len(r.token_ids))
                 self.seen["span"] = max(self.seen["span"], max(r.versions) - min(r.versions) + 1)
@@ -154,7 +159,7 @@ class Mode:
         admitted = iter(range(10 ** 9))
 
         def finite(prompt_ids, budget, answer=None):  # the prompt set ends after the window: the loop drains
-            return add_prompt(prompt_ids, budget, answer) if next(admitted) < self.window else []
+            return add_prompt(prompt_ids, budget, answer) if next(admitted) < self.window or args.endless else []
 
         runner.buffer.add_prompt = finite
         self.wall, self.updates, self.gen, self.upd = 0.0, 0, 0.0, 0.0
@@ -191,6 +196,7 @@ class Mode:
 
     def result(self) -> dict:
         return {"wall": self.wall, "updates": self.updates, "trained": self.trained, "upd": self.upd,
+                "all": self.seen["all"],
                 "sps": self.trained / self.wall, "idle": self.gen / self.wall, "groups": self.groups,
                 "batch": self.steps["seqs"] / max(self.steps["n"], 1), "steps": self.steps["n"],
                 "per_update": self.wall / self.updates,
@@ -212,6 +218,9 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batch", type=int, default=8, help="rl.micro_batch_size of the update")
     ap.add_argument("--max-stale", type=int, default=2,
                     help="staleness bound of the prototype group-triggered loop, a third mode (0: not run)")
+    ap.add_argument("--endless", action="store_true",
+                    help="the prompt stream does not end: a mode is timed until the same groups are trained, and "
+                         "the later groups it worked on meanwhile count in its time only")
     ap.add_argument("--wall-clock", action="store_true",
                     help="time by the wall clock (default: this process's CPU time, as the machine may be shared)")
     ap.add_argument("--seed", type=int, default=0)
@@ -258,7 +267,7 @@ def main(argv=None) -> int:
         L = r["lens"]
         print(f"{m.name:>24}: {r['groups']} groups x {K} in flight; {r['trained']} samples of groups 0-{m.window - 1} "
               f"(lengths p50 {q(L, 50):.0f}, p99 {q(L, 99):.0f}, max {L.max()}) trained in {r['wall']:.1f} s, "
-              f"{r['updates']} updates ({r['trained'] / r['updates']:.1f} samples/update): "
+              f"{r['updates']} updates ({r['all'] / r['updates']:.1f} samples/update): "
               f"{r['sps']:.2f} trained samples/s, "
               f"learner idle {r['idle']:.1%}, "
               f"mean decode batch {r['batch']:.1f} seqs ({r['steps']} decode steps), "

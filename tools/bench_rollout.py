@@ -62,10 +62,10 @@ def group_triggered(RLRunner):
     """PROTOTYPE of a loop change, not in megak3/posttrain/rl.py (labelled "partial, group trigger" in the
     output): RLRunner.generate with two differences. (1) The update starts once ``update_groups`` groups
     have all K samples finished, instead of once ceil(lambda N K) samples are (rl.py's trigger counts the
-    finished members of carried-over groups, so under a long tail its updates shrink to one or two
-    groups, each paying an update and a refit). (2) A staleness bound: a sample whose first token is
-    ``max_stale`` or more versions old is run to its end before this update, so every trained token is at
-    most ``max_stale`` policy versions behind the update that trains it."""
+    finished members of carried-over groups, so under a long tail it makes more, smaller updates, each
+    paying an update and a refit, while the longest samples lag without a bound). (2) A staleness bound:
+    a group whose oldest token is ``max_stale`` or more versions old is run to its end before this update,
+    so every trained token is at most ``max_stale`` policy versions behind the update that trains it."""
 
     class GroupTriggered(RLRunner):
         update_groups = 1

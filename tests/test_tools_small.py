@@ -165,3 +165,19 @@ def test_bench_serve(tmp_path):
                        cwd=tmp_path, capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "127.0.0.1" in r.stderr, r.stderr
+
+
+def test_bench_rollout(tmp_path):
+    out = _tool(tmp_path, "bench_rollout", "--small", "--max-stale", "1")
+    m = re.search(r"^trace: log-normal.*p99/p50 = ([\d.]+)", out, re.M)
+    assert m and float(m[1]) >= 20, out  # the long tail the comparison is about
+    rows = {m[1]: m[0] for m in re.finditer(r"^\s*(synchronous|partial \(lambda=0\.9\)|partial, group trigger\*): "
+                                            r"\d+ groups x 2 in flight; 16 samples of groups 0-7 .*", out, re.M)}
+    assert len(rows) == 3, out  # every mode trained the same 8 groups of 2
+    assert re.search(r"\(4\.0 samples/update\).*staleness 0\.00 versions/token, "
+                     r"a sample spans <= 1 versions", rows["synchronous"]), out  # whole updates, never stale
+    span = re.search(r"a sample spans <= (\d+) versions", rows["partial, group trigger*"])
+    assert span and int(span[1]) <= 2, out  # the prototype's bound: no trained token more than 1 version stale
+    for mode in (r"partial \(lambda=0\.9\)", r"partial, group trigger\*"):
+        ratios = r" / synchronous: trained samples per second x[\d.]+, learner idle fraction x[\d.]+, mean decode"
+        assert re.search(mode + ratios, out), (mode, out)

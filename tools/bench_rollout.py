@@ -74,9 +74,9 @@ def group_triggered(RLRunner):
         def generate(self) -> dict:
             rl, buf = self.rl, self.buffer
             for _ in range(rl.prompts - buf.num_groups()):
-                ids, answer = next(self.prompts)
+                p = next(self.prompts)
                 self.prompts_used += 1
-                buf.add_prompt(ids, self.budgets() if self.budgets else rl.max_tokens, answer)
+                buf.add_prompt(p.ids, self.budgets() if self.budgets else rl.max_tokens, p.answer, p.task, p.effort)
             t0 = time.perf_counter()
 
             def blocked() -> bool:
@@ -158,8 +158,8 @@ class Mode:
 
         admitted = iter(range(10 ** 9))
 
-        def finite(prompt_ids, budget, answer=None):  # the prompt set ends after the window: the loop drains
-            return add_prompt(prompt_ids, budget, answer) if next(admitted) < self.window or args.endless else []
+        def finite(*prompt, **tags):  # the prompt set ends after the window: the loop drains
+            return add_prompt(*prompt, **tags) if next(admitted) < self.window or args.endless else []
 
         runner.buffer.add_prompt = finite
         self.wall, self.updates, self.gen, self.upd = 0.0, 0, 0.0, 0.0

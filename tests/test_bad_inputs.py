@@ -28,7 +28,7 @@ def _rank_env(world):
 
 CONFIG = [  # (overrides, expected fragment of the message[, world size of the torchrun ranks])
     # Hydra composition
-    ("model=k3_nope", "model=k3_nope: no such option (did you mean model=k3_tiny?); choose one of k3_full, k3_mini, k3_tiny"),
+    ("model=k3_nope", "model=k3_nope: no such option (did you mean model=k3_tiny?); choose one of k3_full, k3_micro, k3_mini, k3_small, k3_tiny"),
     ("parallel=tp9", "parallel=tp9: no such option; choose one of dp, ep2_dp2"),
     ("optim=adam", "optim=adam: no such option; choose one of muon, muon_wsd"),
     ("quant=mxfp8", "quant=mxfp8: no such option"),

@@ -178,3 +178,30 @@ def test_mopd_update_uses_the_teachers_per_token_reward(tok):
     assert abs(rec["loss"] - want) < 1e-5 and rec["grad_norm"] > 0
     runner.teachers = [runner.model]  # the policy as its own teacher: zero reward, zero gradient
     assert runner.update(samples, torch.zeros(len(samples)))["grad_norm"] == 0
+
+
+@pytest.mark.parametrize("bound", [0, 1])
+def test_max_staleness_bounds_how_old_a_trained_token_is(tok, bound):
+    """rl.update_groups=1 updates as soon as one group is whole; a long group (budget 24) then lags behind short
+    ones (budget 2) over several updates. With rl.max_staleness=1 no trained token is more than 1 version older
+    than the policy it updates; without the bound (the control) one is."""
+    import itertools
+
+    budgets = itertools.cycle([[24, 24], [2, 2], [2, 2], [2, 2]])
+    rl = RLConfig(prompts=3, group_size=2, max_tokens=24, temperature=1.0, ignore_eos=True, update_groups=1,
+                  max_staleness=bound, iterations=5, micro_batch_size=8)
+    runner = RLRunner(make_job(), rl, tok, engine_options=ENGINE, budgets=lambda: next(budgets))
+    worst = []
+    orig = runner.update
+
+    def check(samples, adv):
+        worst.append(max(runner.version - min(v for v in r.versions if v >= 0) for r in samples))
+        return orig(samples, adv)
+
+    runner.update = check
+    runner.fit(log=None)
+    print(f"max_staleness={bound}: staleness of the oldest trained token per update {worst}")
+    if bound:
+        assert max(worst) <= bound
+    else:
+        assert max(worst) >= 2          # the control: without the bound the long group lags further

@@ -20,15 +20,14 @@ samples trained, only the schedule differs. With ``--endless`` the prompt stream
 run): each mode is timed until those groups are trained, and the work it did on later groups meanwhile
 counts in its time but not in its trained samples (a bias against the partial modes).
 
-Staleness: RLConfig has no staleness bound (no rl.max_staleness: a paused sample continues until its
-budget is spent, however many updates pass), so rl.py's partial mode is compared at about equal update
-size: ``--update`` samples per update in the synchronous mode (rl.prompts = update / K, lambda = 1), and
+Staleness: rl.py's partial_fraction mode has no staleness bound (a paused sample continues until its
+budget is spent, however many updates pass), so it is compared at about equal update size: ``--update`` samples per update in the synchronous mode (rl.prompts = update / K, lambda = 1), and
 ``--inflight`` times as many groups in the engine in the partial mode (rl.prompts = inflight * update / K),
 which updates once ``--lam`` of them are finished (rl.partial_fraction); the samples per update of each
 and the staleness the partial mode reached (mean versions behind per trained token, the most versions one
-trained sample spans) are printed. ``--max-stale S`` (default 2; 0: off) runs a third mode, a
-prototype loop change inside this tool (group_triggered, not in rl.py): the update starts once
-update / K groups are finished, and no trained token is more than S versions stale.
+trained sample spans) are printed. ``--max-stale S`` (default 2; 0: off) runs a third mode with
+``rl.update_groups = update / K`` (the update starts once that many groups are finished) and
+``rl.max_staleness = S`` (no trained token more than S versions stale).
 
 Printed per mode: trained samples per second, the learner's idle fraction (the share of the mode's time
 spent generating, when the colocated learner waits), the mean decode batch (sequences per decode step:
@@ -58,43 +57,6 @@ def trace(args, n: int) -> np.ndarray:
     return np.clip(np.rint(args.median * np.exp(args.sigma * rng.standard_normal(n))), 1, args.cap).astype(int)
 
 
-def group_triggered(RLRunner):
-    """PROTOTYPE of a loop change, not in megak3/posttrain/rl.py (labelled "partial, group trigger" in the
-    output): RLRunner.generate with two differences. (1) The update starts once ``update_groups`` groups
-    have all K samples finished, instead of once ceil(lambda N K) samples are (rl.py's trigger counts the
-    finished members of carried-over groups, so under a long tail it makes more, smaller updates, each
-    paying an update and a refit, while the longest samples lag without a bound). (2) A staleness bound:
-    a group whose oldest token is ``max_stale`` or more versions old is run to its end before this update,
-    so every trained token is at most ``max_stale`` policy versions behind the update that trains it."""
-
-    class GroupTriggered(RLRunner):
-        update_groups = 1
-        max_stale = 1
-
-        def generate(self) -> dict:
-            rl, buf = self.rl, self.buffer
-            for _ in range(rl.prompts - buf.num_groups()):
-                p = next(self.prompts)
-                self.prompts_used += 1
-                buf.add_prompt(p.ids, self.budgets() if self.budgets else rl.max_tokens, p.answer, p.task, p.effort)
-            t0 = time.perf_counter()
-
-            def blocked() -> bool:
-                done, oldest = {}, {}
-                for r in buf.rollouts.values():
-                    done[r.group] = done.get(r.group, 0) + r.finished
-                    oldest[r.group] = min([oldest.get(r.group, self.version)] + r.versions[:1])
-                if sum(n == rl.group_size for n in done.values()) < self.update_groups:
-                    return True  # a group is trained once all K are finished: the group's oldest token counts
-                return any(self.version - oldest[r.group] >= self.max_stale for r in buf.unfinished())
-
-            while buf.unfinished() and blocked():
-                self.sampler.run(buf.unfinished(), self.version, stop_after=1)
-            return {"gen_s": time.perf_counter() - t0, "paused": len(buf.unfinished())}
-
-    return GroupTriggered
-
-
 class Mode:
     """One RL run of the comparison; :meth:`step` runs one iteration of its loop and adds up its time."""
 
@@ -115,14 +77,12 @@ class Mode:
         self.groups = args.update // K * (1 if kind == "sync" else args.inflight)
         rl = RLConfig(prompts=self.groups, group_size=K, max_tokens=args.cap, temperature=1.0,
                       partial_fraction=args.lam if kind == "partial" else 1.0, ignore_eos=True,
-                      micro_batch_size=args.micro_batch, iterations=10 ** 6, seed=1)
+                      micro_batch_size=args.micro_batch, iterations=10 ** 6, seed=1,
+                      update_groups=args.update // K if kind == "group" else 0,
+                      max_staleness=args.max_stale if kind == "group" else 0)
         next_group = iter(range(10 ** 9))
         budgets = lambda: [int(b) for b in budgets_all[next(next_group) * K:][:K]]  # noqa: E731
-        cls = RLRunner
-        if kind == "group":
-            cls = group_triggered(RLRunner)
-            cls.update_groups, cls.max_stale = args.update // K, args.max_stale
-        self.runner = runner = cls(job, rl, tok, budgets=budgets,
+        self.runner = runner = RLRunner(job, rl, tok, budgets=budgets,
                                    engine_options={"page_size": 16, "num_pages": 8192, "max_batch": 1024})
         self.steps = {"n": 0, "seqs": 0}
         decode = runner.engine._decode
@@ -217,7 +177,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cap", type=int, default=512, help="longest response budget")
     ap.add_argument("--micro-batch", type=int, default=8, help="rl.micro_batch_size of the update")
     ap.add_argument("--max-stale", type=int, default=2,
-                    help="staleness bound of the prototype group-triggered loop, a third mode (0: not run)")
+                    help="a third mode: rl.update_groups=update/K with rl.max_staleness=S (0: not run)")
     ap.add_argument("--endless", action="store_true",
                     help="the prompt stream does not end: a mode is timed until the same groups are trained, and "
                          "the later groups it worked on meanwhile count in its time only")
@@ -279,8 +239,8 @@ def main(argv=None) -> int:
               f"learner idle fraction x{r['idle'] / sync['idle']:.2f}, "
               f"mean decode batch x{r['batch'] / sync['batch']:.2f}")
     if args.max_stale:
-        print(f"* a prototype loop change inside this tool, not rl.py: update once {args.update // K} groups are "
-              f"finished, no trained token more than {args.max_stale} versions stale (group_triggered)")
+        print(f"* rl.update_groups={args.update // K} (update once that many groups are finished) and "
+              f"rl.max_staleness={args.max_stale} (no trained token more than that many versions stale)")
     return 0
 
 

@@ -113,6 +113,23 @@ class RolloutBuffer:
     def num_finished(self) -> int:
         return sum(r.finished for r in self.rollouts.values())
 
+    def num_trainable(self) -> int:
+        """Groups whose K samples are all finished."""
+        done: Dict[int, int] = {}
+        for r in self.rollouts.values():
+            done[r.group] = done.get(r.group, 0) + r.finished
+        return sum(n == self.K for n in done.values())
+
+    def stale_unfinished(self, version: int, bound: int) -> bool:
+        """Whether some unfinished sample's group holds a token ``bound`` or more policy versions older than
+        ``version`` (the group trains together, so its oldest token decides)."""
+        oldest: Dict[int, int] = {}
+        for r in self.rollouts.values():
+            if r.versions:
+                v = min(x for x in r.versions if x >= 0) if any(x >= 0 for x in r.versions) else version
+                oldest[r.group] = min(oldest.get(r.group, version), v)
+        return any(version - oldest.get(r.group, version) >= bound for r in self.unfinished())
+
     def has_trainable(self) -> bool:
         """True when some group has all K samples finished."""
         done: Dict[int, int] = {}

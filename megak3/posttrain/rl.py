@@ -76,6 +76,13 @@ class RLConfig:
     the trainer's logprobs (ratio, staleness weights, KL reference, MOPD teachers) use the same T (0: greedy, untempered)"""
     partial_fraction: float = 1.0
     """lambda: the update starts once ceil(lambda N K) samples are finished (1.0: synchronous rollouts)"""
+    update_groups: int = 0
+    """> 0: the update starts once this many groups have all K samples finished, instead of the
+    partial_fraction count (which includes the finished members of carried-over groups)"""
+    max_staleness: int = 0
+    """> 0: before an update, every unfinished group holding a token this many or more policy versions old
+    is run to its end, so no trained token is more than max_staleness versions behind the policy it
+    updates (0: no bound)"""
     micro_batch_size: int = 16
     """rollouts per forward/backward of the update"""
     task: str = "add"
@@ -128,6 +135,8 @@ class RLConfig:
             need(getattr(self, f) >= 1, f, "must be >= 1")
         need(self.temperature >= 0, "temperature", "must be >= 0")
         need(0 < self.partial_fraction <= 1, "partial_fraction", "must lie in (0, 1]")
+        need(0 <= self.update_groups <= self.prompts, "update_groups", "must lie in [0, rl.prompts]")
+        need(self.max_staleness >= 0, "max_staleness", "must be >= 0 (0: no bound)")
         need(self.effort_tau >= 0, "effort_tau", "must be >= 0")
         need(self.effort_tau == 0 or self.effort_budget > 0, "effort_budget", "must be > 0 with rl.effort_tau > 0")
         need(self.mopd_r_max > 0, "mopd_r_max", "must be > 0")
@@ -317,13 +326,19 @@ class RLRunner:
             self.buffer.add_prompt(p.ids, self.budgets() if self.budgets else rl.max_tokens, p.answer, p.task, p.effort)
         if self.state is not None:
             self.state.save_buffer()
-        target = math.ceil(rl.partial_fraction * rl.prompts * rl.group_size)
-        need = target - self.buffer.num_finished()
+        buf = self.buffer
         t0 = time.perf_counter()
-        if need > 0:
-            self.sampler.run(self.buffer.unfinished(), self.version, stop_after=need)
-        while not self.buffer.has_trainable() and self.buffer.unfinished():  # something to train on
-            self.sampler.run(self.buffer.unfinished(), self.version, stop_after=1)
+        if rl.update_groups > 0:
+            while buf.unfinished() and buf.num_trainable() < rl.update_groups:
+                self.sampler.run(buf.unfinished(), self.version, stop_after=1)
+        else:
+            need = math.ceil(rl.partial_fraction * rl.prompts * rl.group_size) - buf.num_finished()
+            if need > 0:
+                self.sampler.run(buf.unfinished(), self.version, stop_after=need)
+        while not buf.has_trainable() and buf.unfinished():  # something to train on
+            self.sampler.run(buf.unfinished(), self.version, stop_after=1)
+        while rl.max_staleness > 0 and buf.unfinished() and buf.stale_unfinished(self.version, rl.max_staleness):
+            self.sampler.run(buf.unfinished(), self.version, stop_after=1)
         return {"gen_s": time.perf_counter() - t0, "paused": len(self.buffer.unfinished())}
 
     def score(self, groups: List[List[Rollout]]) -> torch.Tensor:

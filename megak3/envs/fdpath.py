@@ -23,12 +23,19 @@ def open_dir(dir_fd: int, name: str) -> int:
     return os.open(name, DIR_FLAGS, dir_fd=dir_fd)
 
 
-def open_dirs(root_fd: int, parts: Sequence[str]) -> int:
-    """fd of the directory ``parts`` (components, no ``..``) below ``root_fd``, one component at a time."""
+def open_dirs(root_fd: int, parts: Sequence[str], make: Optional[Callable[[int, str], None]] = None) -> int:
+    """fd of the directory ``parts`` (components, no ``..``) below ``root_fd``, one component at a time;
+    a missing component is an error, or ``make(parent_fd, name)`` creates it first."""
     fd = os.dup(root_fd)
     try:
         for comp in parts:
-            nfd = open_dir(fd, comp)
+            try:
+                nfd = open_dir(fd, comp)
+            except FileNotFoundError:
+                if make is None:
+                    raise
+                make(fd, comp)
+                nfd = open_dir(fd, comp)
             os.close(fd)
             fd = nfd
     except BaseException:

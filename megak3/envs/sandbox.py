@@ -41,7 +41,7 @@ import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Dict, List, Optional, Tuple
 
-from megak3.envs.fdpath import DIR_FLAGS, open_dir, remove_tree, tree_bytes
+from megak3.envs.fdpath import DIR_FLAGS, open_dir, open_dirs, remove_tree, tree_bytes
 from megak3.envs.host import UNSHARE_ARGS, host_isolation
 
 JAIL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jail.py")
@@ -430,24 +430,16 @@ class ProcessSandbox:
     def _dir_fd(self, parts: List[str], create: bool = False) -> int:
         """fd of the episode directory ``parts``, walked from the root fd; ``create`` makes missing ones
         (mode 0755, owned by the episode uid) with ``mkdirat`` + ``fchown``."""
-        fd = os.dup(self.root_fd)
-        try:
-            for comp in parts:
+        def make(parent: int, name: str):
+            os.mkdir(name, 0o755, dir_fd=parent)
+            if self.iso.is_root:
+                fd = open_dir(parent, name)
                 try:
-                    nfd = open_dir(fd, comp)
-                except FileNotFoundError:
-                    if not create:
-                        raise
-                    os.mkdir(comp, 0o755, dir_fd=fd)
-                    nfd = open_dir(fd, comp)
-                    if self.iso.is_root:
-                        os.fchown(nfd, self.uid, self.uid)
-                os.close(fd)
-                fd = nfd
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+                    os.fchown(fd, self.uid, self.uid)
+                finally:
+                    os.close(fd)
+
+        return open_dirs(self.root_fd, parts, make if create else None)
 
     def read_file(self, path: str) -> str:
         parts = self.resolve(path)

@@ -121,26 +121,25 @@ def open_dir(path: str) -> int:
     return os.open(path, _DIR)
 
 
-def _open_dir_at(dir_fd: int, name: str, st: Optional[os.stat_result] = None) -> int:
-    fd = os.open(name, _DIR, dir_fd=dir_fd)
+def _open_checked(dir_fd: int, name: str, flags: int, st: Optional[os.stat_result], test) -> int:
+    """Open ``name`` in ``dir_fd`` with ``flags``; with ``st``, fail unless it is that inode of kind ``test``."""
+    fd = os.open(name, flags, dir_fd=dir_fd)
     if st is not None:
         try:
-            _same_inode(fd, st, stat.S_ISDIR)
+            _same_inode(fd, st, test)
         except OSError:
             os.close(fd)
             raise
     return fd
 
 
+def _open_dir_at(dir_fd: int, name: str, st: Optional[os.stat_result] = None) -> int:
+    return _open_checked(dir_fd, name, _DIR, st, stat.S_ISDIR)
+
+
 def _open_file_at(dir_fd: int, name: str, st: os.stat_result) -> int:
     """Open regular file ``name`` for reading; fails unless it is the inode ``st`` describes."""
-    fd = os.open(name, _FILE, dir_fd=dir_fd)
-    try:
-        _same_inode(fd, st, stat.S_ISREG)
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
+    return _open_checked(dir_fd, name, _FILE, st, stat.S_ISREG)
 
 
 def _listing(dir_fd: int) -> List[Tuple[str, os.stat_result]]:

@@ -125,9 +125,9 @@ class RolloutBuffer:
         ``version`` (the group trains together, so its oldest token decides)."""
         oldest: Dict[int, int] = {}
         for r in self.rollouts.values():
-            if r.versions:
-                v = min(x for x in r.versions if x >= 0) if any(x >= 0 for x in r.versions) else version
-                oldest[r.group] = min(oldest.get(r.group, version), v)
+            sampled = [v for v in r.versions if v >= 0]          # -1: context tokens the model did not sample
+            if sampled:
+                oldest[r.group] = min(oldest.get(r.group, version), min(sampled))
         return any(version - oldest.get(r.group, version) >= bound for r in self.unfinished())
 
     def has_trainable(self) -> bool:

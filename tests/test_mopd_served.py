@@ -137,8 +137,8 @@ def test_served_teacher_equals_the_teacher_by_path_over_two_updates(env):
             # 4 rows per update, micro-batches of 3: two scoring requests per update
             assert served.requests == 4
     for a, b in zip(recs["path"], recs["url"]):
-        print(f"path vs url: loss {a['loss']:.6f} {b['loss']:.6f}, grad norm {a['grad_norm']:.6f} "
-              f"{b['grad_norm']:.6f}, KL {a['kl_add']:.6f} {b['kl_add']:.6f}")
+        print("path vs url: " + ", ".join(f"{k} {a[k]:.6f} {b[k]:.6f} (|diff| {abs(a[k] - b[k]):.1e})"
+                                          for k in ("loss", "grad_norm", "kl_add")))
         assert a["teacher_rows"] == b["teacher_rows"] == 4
         for k in ("loss", "grad_norm", "kl_add"):
             assert abs(a[k] - b[k]) <= 1e-5, (k, a[k], b[k])

@@ -8,8 +8,9 @@
     curl -sN localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "def", "stream": true}'                                  # server-sent events
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": true``: ``data: {...}``
-events, then ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus,
+Endpoints: ``POST /v1/completions`` (also prompt scoring: ``"echo": true, "max_tokens": 0``, service.py),
+``POST /v1/chat/completions`` (``"stream": true``: ``data: {...}`` events, then ``data: [DONE]``),
+``GET /v1/models`` (with the tokenizer's hash, vocabulary size and special ids), ``GET /health``, ``GET /metrics`` (Prometheus,
 megak3/inference/metrics.py), and FastAPI's ``/docs`` and ``/openapi.json``. The schemas are
 megak3/inference/api_models.py, the request/response logic megak3/inference/service.py, and every
 engine call goes through one engine thread (megak3/inference/engine_client.py) that runs the

@@ -13,6 +13,7 @@ import json
 import shutil
 import socket
 import threading
+import time
 from dataclasses import asdict
 
 import pytest
@@ -56,7 +57,8 @@ class Served:
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("mopd_served")
     student, _, tok = make_tiny_run(root / "student", seed=0, max_seq_len=CONTEXT)
-    teacher, tmodel, _ = make_tiny_run(root / "teacher", seed=1, max_seq_len=CONTEXT)   # the same tokenizer, other weights
+    # the same tokenizer (trained on the same text), other weights
+    teacher, tmodel, _ = make_tiny_run(root / "teacher", seed=1, max_seq_len=CONTEXT)
     srv = Served(make_app(Engine.from_pretrained(str(teacher)), "teacher"))
     yield type("Env", (), dict(root=root, student=student, teacher=teacher, tmodel=tmodel, tok=tok, srv=srv))
     srv.close()
@@ -179,14 +181,20 @@ class Fake(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
         status, body = Fake.answers.pop(0)
+        if status == 0:          # too slow: answers after the client's timeout
+            time.sleep(1.0)
+            status = 200
         self._send(status, body.encode())
 
     def _send(self, status, raw):
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(raw)))
-        self.end_headers()
-        self.wfile.write(raw)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+        except (BrokenPipeError, ConnectionResetError):   # the client gave up (timeout)
+            pass
 
     def log_message(self, *a):
         pass
@@ -213,7 +221,8 @@ def test_malformed_answers_are_errors_naming_the_teacher(env):
                  "not strict JSON": echo_body([[None, -1.0, -2.0], [None, -0.5]]).replace("-0.5", "NaN"),
                  "not a finite log-probability": echo_body([[None, -1.0, 2.0], [None, -0.5]]),
                  "first token's logprob must be null": echo_body([[-1.0, -1.0, -2.0], [None, -0.5]]),
-                 "once each": json.dumps({"choices": [{"index": 0, "logprobs": {"token_logprobs": [None, -1, -2]}}] * 2}),
+                 "once each": json.dumps({"choices": [{"index": 0,
+                                                       "logprobs": {"token_logprobs": [None, -1, -2]}}] * 2}),
                  "not a finite": echo_body([[None, True, -2.0], [None, -0.5]])}
         for why, body in cases.items():
             Fake.answers = [(200, body)]
@@ -225,6 +234,12 @@ def test_malformed_answers_are_errors_naming_the_teacher(env):
             t.score(seqs)
         Fake.answers = [(503, "{}"), (200, echo_body([[None, -1.0, -2.0], [None, -0.5]]))]
         assert ServedTeacher(url, "t", retries=1).score(seqs)[1] == [-0.5]      # retried once
+        good = echo_body([[None, -1.0, -2.0], [None, -0.5]])
+        Fake.answers = [(0, good), (0, good)]
+        t0 = time.time()
+        with pytest.raises(TeacherError, match=r"did not answer \(TimeoutError.* after 2 tries \(timeout 0.3 s each"):
+            ServedTeacher(url, "t", timeout_s=0.3, retries=1).score(seqs)
+        assert time.time() - t0 < 2.5      # bounded: 2 x 0.3 s + a 0.5 s pause
         # in an RL update: the wrong-length answer fails the update with the teacher's name, one line
         r = runner(env.tok, mopd_teachers=f"add={url}", mopd_retries=0)
         Fake.answers = [(200, echo_body([[None]] * 3))] * 4

@@ -128,4 +128,5 @@ def error_out(rid: int, e: BaseException) -> dict:
             else str(e)}
 
 
-__all__ = ["send", "recv", "WireClosed", "request_out", "request_in", "result_out", "result_in", "scores_in", "error_out"]
+__all__ = ["send", "recv", "WireClosed", "request_out", "request_in", "result_out", "result_in", "scores_in",
+           "error_out"]

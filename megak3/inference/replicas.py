@@ -7,11 +7,11 @@ so :class:`megak3.inference.service.OpenAIService` runs over either. Behind it, 
 ``EngineClient``; the server talks to them over socketpairs in JSON frames (replica_wire.py: no pickle
 either way). The server itself reads only the model config and the tokenizer, never the weights.
 
-Routing (megak3/inference/router.py): each distinct prompt of a request is routed once by its ids,
-its decode budget and its image salt (the engine's: blake2b-128 over the images' fp32 bytes), and all
-``n`` choices of that prompt go to the same replica (a GRPO-like group shares its prefix); streamed
-copies of a prompt follow the first copy's replica. A scoring request (``echo``, :meth:`ReplicaClient.score`)
-reads no cache: it goes whole to the up replica with the fewest calls in flight. When a request finishes, the router records its
+Routing (megak3/inference/router.py): each distinct prompt of a request is routed once by its ids, its decode
+budget and its image salt (the engine's: blake2b-128 over the images' fp32 bytes), and all ``n`` choices of
+that prompt go to the same replica (a GRPO-like group shares its prefix); streamed copies of a prompt follow
+the first copy's replica. A scoring request (``echo``, :meth:`ReplicaClient.score`) reads no cache: it goes
+whole to the up replica with the fewest calls in flight. When a request finishes, the router records its
 prompt + output as cached on that replica, so the next turn of a session goes back there.
 
 A worker that dies fails its in-flight requests (the server answers them with a JSON 500), is marked

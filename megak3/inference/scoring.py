@@ -21,7 +21,7 @@ from .types import InferenceError
 
 @torch.no_grad()
 def prompt_logprobs(model, seqs: List[List[int]], temperature: float = 1.0, pad_id: int = 0,
-                    max_tokens: int = 8192) -> List[List[float]]:
+                    max_tokens: int = 2048) -> List[List[float]]:
     """``len(s) - 1`` values per sequence ``s``: ``log softmax(logits / T)[s[i]]`` at position ``i - 1``,
     i = 1 .. len(s) - 1 (T = ``temperature``; 0 scores with the untempered logits, as greedy sampling's
     logprobs are the model's own). Raises :class:`RuntimeError` when a value is not finite (broken weights)."""

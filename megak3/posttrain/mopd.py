@@ -1,12 +1,13 @@
 """MOPD teachers: one per domain tag, checked against the student at start, each scoring only its own rows.
 
 ``rl.mopd_teachers=add=PATH,reverse@high=PATH`` maps sample tags (megak3/posttrain/tasks.py: ``TASK`` or
-``TASK@EFFORT``) to teacher checkpoints (megak3 run / checkpoint directories, an RL run's included, or Hugging
-Face directories), each loaded into every trainer rank that scores rows, or to served teachers
-(``add=http://HOST:PORT``: a megak3 server, megak3/posttrain/teacher_client.py), whose weights stay in the
-server's processes (``serve --replicas N`` or Ray actors). A sample takes the teacher of its exact tag, else the one of its task; every entry of the
-task mixture must have one and every teacher must serve some entry. A single untagged ``PATH`` teaches every
-sample. Several untagged paths are refused (teachers are assigned by domain, never by arrival order).
+``TASK@EFFORT``) to teacher checkpoints (megak3 run / checkpoint directories, an RL run's included, or Hugging Face
+directories), each loaded into every trainer rank that scores rows, or to served teachers
+(``add=http://HOST:PORT``: a megak3 server, megak3/posttrain/teacher_client.py), whose weights stay in the server's
+processes (``serve --replicas N`` or Ray actors). A sample takes the teacher of its exact tag, else the one of its
+task; every entry of the task mixture must have one and every teacher must serve some entry. A single untagged
+``PATH`` teaches every sample. Several untagged paths are refused (teachers are assigned by domain, never by
+arrival order).
 
 :func:`load_teachers` checks every teacher before any rollout: the same tokenizer as the student (SHA-256 of
 its serialised JSON), the same vocabulary size and the same special ids (a served teacher's from its
@@ -14,10 +15,10 @@ its serialised JSON), the same vocabulary size and the same special ids (a serve
 refused there too.
 
 :func:`teacher_logprobs` scores each row with its own teacher only: the rows of a micro-batch are grouped by
-teacher and each group is one batched forward of that teacher (a served one: one scoring request), so the teacher row-forwards of an update equal
-the rows trained whatever the number of teachers. It also returns, per teacher, the sum over its response
-tokens of ``log pi_theta - log pi_teacher`` (on the student's own samples: a one-sample estimate of
-KL(pi_theta || pi_teacher), the distillation progress the summary prints) and the token count.
+teacher and each group is one batched forward of that teacher (a served one: one scoring request), so the teacher
+row-forwards of an update equal the rows trained whatever the number of teachers. It also returns, per teacher, the
+sum over its response tokens of ``log pi_theta - log pi_teacher`` (on the student's own samples: a one-sample
+estimate of KL(pi_theta || pi_teacher), the distillation progress the summary prints) and the token count.
 """
 from __future__ import annotations
 

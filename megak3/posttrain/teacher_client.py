@@ -89,7 +89,8 @@ class ServedTeacher:
                 last = f"answered {e.code}: {msg}"
             except (urllib.error.URLError, OSError) as e:   # refused, unreachable, timed out, reset
                 reason = getattr(e, "reason", e)
-                last = f"is unreachable ({type(reason).__name__}: {reason})"
+                what = "did not answer" if isinstance(reason, TimeoutError) else "is unreachable"
+                last = f"{what} ({type(reason).__name__}: {reason})"
         else:
             raise TeacherError(f"{self.name} {last} after {self.retries + 1} tries (timeout {self.timeout_s:g} s "
                                "each); start it with python -m megak3.generate serve --checkpoint TEACHER "

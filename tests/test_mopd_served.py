@@ -3,8 +3,8 @@ and the server's prompt scoring they use (``echo`` with ``max_tokens: 0``, megak
 
 - the echo logprobs equal the training forward's token logprobs (tempered and not), through one engine and
   through two replica workers;
-- RL with the teacher by URL equals RL with the same teacher by path over 2 updates: MOPD loss, grad norm and
-  KL to the teacher, with one scoring request per micro-batch;
+- RL with the teacher by URL (one engine, and 2 replica workers) equals RL with the same teacher by path over
+  2 updates: MOPD loss, grad norm and KL to the teacher, with one scoring request per micro-batch;
 - a served teacher of another tokenizer, and an unreachable URL: one line, exit 2, before any rollout;
 - malformed answers (wrong lengths, NaN, a positive logprob, duplicate indexes) are a TeacherError naming the
   teacher, in the update too; 5xx answers are retried a bounded number of times."""
@@ -114,37 +114,40 @@ def test_echo_logprobs_equal_the_training_forward(env):
     assert text["text"] == "def main(" and text["logprobs"] is None
 
 
-def test_echo_through_two_replica_workers(env):
-    from fastapi.testclient import TestClient
-
+@pytest.fixture(scope="module")
+def replicated(env):
+    """The teacher served by 2 replica worker processes (``serve --replicas 2``)."""
     from megak3.inference.replicas import ReplicaClient
 
-    client = ReplicaClient(str(env.teacher), 2, start_timeout=300)
-    with TestClient(make_app(None, "teacher", client=client)) as c:
-        for T in (1.0, 0.7):
-            r = c.post("/v1/completions", json={"prompt": SEQS, "echo": True, "max_tokens": 0, "logprobs": 0,
-                                                "temperature": T})
-            assert r.status_code == 200, r.text
-            check_echo(r.json(), env.tmodel, T)
+    srv = Served(make_app(None, "teacher", client=ReplicaClient(str(env.teacher), 2, start_timeout=300)))
+    yield srv
+    srv.close()
 
 
-def test_served_teacher_equals_the_teacher_by_path_over_two_updates(env):
+def test_echo_through_two_replica_workers(env, replicated):
+    for T in (1.0, 0.7):
+        check_echo(post(replicated.url, {"prompt": SEQS, "echo": True, "max_tokens": 0, "logprobs": 0,
+                                         "temperature": T}), env.tmodel, T)
+
+
+def test_served_teacher_equals_the_teacher_by_path_over_two_updates(env, replicated):
     recs = {}
-    for how, where in (("path", str(env.teacher)), ("url", env.srv.url)):
+    for how, where in (("path", str(env.teacher)), ("url", env.srv.url), ("url, 2 replicas", replicated.url)):
         r = runner(env.tok, temperature=0.7, mopd_teachers=f"add={where}")
         recs[how] = [r.iteration() for _ in range(2)]
-        if how == "url":
+        if how != "path":
             served = r.teachers[0]
             assert isinstance(served, ServedTeacher)
             # 4 rows per update, micro-batches of 3: two scoring requests per update
             assert served.requests == 4
-    for a, b in zip(recs["path"], recs["url"]):
-        print("path vs url: " + ", ".join(f"{k} {a[k]:.6f} {b[k]:.6f} (|diff| {abs(a[k] - b[k]):.1e})"
-                                          for k in ("loss", "grad_norm", "kl_add")))
-        assert a["teacher_rows"] == b["teacher_rows"] == 4
-        for k in ("loss", "grad_norm", "kl_add"):
-            assert abs(a[k] - b[k]) <= 1e-5, (k, a[k], b[k])
-        assert abs(a["kl_add"]) > 1e-3       # the teacher differs from the student: the check has teeth
+    for how in ("url", "url, 2 replicas"):
+        for a, b in zip(recs["path"], recs[how]):
+            print(f"path vs {how}: " + ", ".join(f"{k} {a[k]:.6f} {b[k]:.6f} (|diff| {abs(a[k] - b[k]):.1e})"
+                                                 for k in ("loss", "grad_norm", "kl_add")))
+            assert a["teacher_rows"] == b["teacher_rows"] == 4
+            for k in ("loss", "grad_norm", "kl_add"):
+                assert abs(a[k] - b[k]) <= 1e-5, (how, k, a[k], b[k])
+            assert abs(a["kl_add"]) > 1e-3       # the teacher differs from the student: the check has teeth
 
 
 def test_other_tokenizer_or_unreachable_url_is_one_line_exit_2(env, monkeypatch, capsys):

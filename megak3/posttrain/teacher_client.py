@@ -11,8 +11,9 @@ server's processes, not in every trainer rank. Two requests, both OpenAI-shaped:
   "temperature": T}`` per micro-batch and teacher: every row of the teacher (prompt + response token ids)
   in one request; the answer's ``token_logprobs`` are the teacher's logprobs of each token after the first,
   at the trainer's temperature (``rl.temperature``; 0: untempered), computed by the server with the
-  training forward (megak3/inference/scoring.py). The request is the standard one (vLLM answers it too),
-  but only a megak3 server passes the start check.
+  training forward (megak3/inference/scoring.py), at the server's ``--dtype`` (a teacher by path runs in
+  the trainer's autocast). The request is the standard one (vLLM accepts it too), but only a megak3 server
+  passes the start check.
 
 The answer is untrusted: it is read up to a size bound, parsed as strict JSON (no NaN / Infinity), and
 must hold exactly one choice per row (indexes 0 .. n-1 once each), each with one logprob per token, the

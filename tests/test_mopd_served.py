@@ -250,3 +250,4 @@ def test_malformed_answers_are_errors_naming_the_teacher(env):
             r.iteration()
     finally:
         httpd.shutdown()
+        httpd.server_close()

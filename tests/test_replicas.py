@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from megak3.inference import Engine, SamplingParams
 from megak3.inference.server import make_app
@@ -193,6 +194,14 @@ def test_replicas_as_ray_actors_equal_one_engine(tmp_path):
         got = [r[0].completion.token_ids for r in asyncio.run(go())]
         assert got == [c.token_ids for c in engine.generate(prompts, [sp] * 3)]
         assert min(client.router.stats.per_replica_work) > 0 and client.replicas_up() == 2
+        # echo scoring through an actor's worker (a served MOPD teacher): the training forward's logprobs
+        seqs = [p + [5, 6] for p in prompts]
+        scored = asyncio.run(client.score(seqs, 0.7))
+        for s, got in zip(seqs, scored):
+            with torch.no_grad():
+                lp = torch.log_softmax(model(torch.tensor([s[:-1]])).logits[0].float() / 0.7, -1)
+            want = lp.gather(-1, torch.tensor(s[1:])[:, None])[:, 0]
+            assert len(got) == len(s) - 1 and (torch.tensor(got) - want).abs().max() <= 1e-5
     finally:
         client.close()
         if started_here:

@@ -11,6 +11,7 @@ image. Special ids are added by the pipeline (``append_eos``) or by the multimod
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Iterable, List, Sequence, Union
@@ -58,6 +59,14 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; special tokens are shown as their strings unless skipped."""
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def sha256(self) -> str:
+        """SHA-256 of the serialised tokenizer.json: two tokenizers with the same hash split text alike
+        (what a MOPD teacher, loaded or served, is checked by against the student)."""
+        return hashlib.sha256(self.hf.to_str().encode()).hexdigest()
+
+    def special_ids(self) -> dict:
+        return {"pad": self.pad_id, "bos": self.bos_id, "eos": self.eos_id, "media": self.media_id}
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.path!r}, vocab_size={self.vocab_size})"

@@ -3,8 +3,13 @@
 Requests are strict: a JSON ``true`` is not an integer, ``"yes"`` is not a boolean, ``1`` is not a
 boolean, an integer is not a string; unknown fields are refused (OpenAI answers "Unrecognized
 request argument" too). Every value the server cannot honour exactly is refused rather than
-ignored: ``echo``, ``suffix``, ``best_of`` other than 1 (or ``n``), non-zero penalties, a non-empty
-``logit_bias``. ``top_k`` and ``ignore_eos`` are extensions (vLLM has both). Ranges are OpenAI's:
+ignored: ``suffix``, ``best_of`` other than 1 (or ``n``), non-zero penalties, a non-empty
+``logit_bias``, and ``echo`` except for scoring. ``top_k`` and ``ignore_eos`` are extensions (vLLM has both).
+Scoring (completions only): ``echo: true`` with ``max_tokens: 0`` returns each prompt's text and, with
+``logprobs: 0``, its tokens' logprobs (the first ``null``, as OpenAI and vLLM answer) at the request's
+``temperature`` (megak3/inference/scoring.py); there ``n``, ``stream``, ``top_p``, ``top_k`` and
+``logprobs`` > 0 are refused, and so are ``echo`` with ``max_tokens`` other than 0 and ``max_tokens: 0``
+without ``echo``. Ranges are OpenAI's:
 ``temperature`` [0, 2], ``top_p`` (0, 1], ``n`` [1, 16], completions ``logprobs`` [0, 5], chat
 ``top_logprobs`` [0, 20], at most 4 ``stop`` strings.
 
@@ -44,7 +49,7 @@ class _Sampling(_Strict):
     """Fields that completions and chat completions share."""
 
     model: Optional[StrictStr] = None
-    max_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
+    max_tokens: Optional[Annotated[StrictInt, Field(ge=0)]] = None   # 0: completions' echo scoring only
     temperature: Optional[Annotated[Unit, Field(ge=0, le=2)]] = None
     top_p: Optional[Annotated[Unit, Field(gt=0, le=1)]] = None
     top_k: Optional[Annotated[StrictInt, Field(ge=0)]] = None
@@ -61,6 +66,9 @@ class _Sampling(_Strict):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
+        if self.max_tokens == 0 and not getattr(self, "echo", False):
+            raise UnsupportedField("max_tokens", "max_tokens must be >= 1 (0 only with echo=true, which scores "
+                                   "the prompt)")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise UnsupportedField(name, f"{name} is not supported; use 0")
@@ -91,7 +99,17 @@ class CompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _refuse_completion_only(self):
         if self.echo:
-            raise UnsupportedField("echo", "echo is not supported; leave it out or use false")
+            if self.max_tokens != 0:
+                raise UnsupportedField("echo", "echo is supported with max_tokens=0 only (scoring the prompt: "
+                                       "its tokens' logprobs with logprobs=0); set max_tokens to 0 or leave echo out")
+            for name, bad, fix in (("n", (self.n or 1) != 1, "use 1"), ("stream", bool(self.stream), "use false"),
+                                   ("top_p", self.top_p not in (None, 1), "leave it out (logprobs are of "
+                                    "softmax(logits / temperature))"),
+                                   ("top_k", bool(self.top_k), "leave it out (logprobs are of "
+                                    "softmax(logits / temperature))"),
+                                   ("logprobs", bool(self.logprobs), "use 0 (no top alternatives of prompt tokens)")):
+                if bad:
+                    raise UnsupportedField(name, f"{name} is not supported with echo (prompt scoring); {fix}")
         if self.suffix:
             raise UnsupportedField("suffix", "suffix is not supported; leave it out")
         if self.best_of is not None and self.best_of != (self.n or 1):
@@ -146,8 +164,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: List[str]
-    token_logprobs: List[float]
-    top_logprobs: Optional[List[Dict[str, float]]]
+    token_logprobs: List[Optional[float]]           # echo: the prompt's first token has none (null)
+    top_logprobs: Optional[List[Optional[Dict[str, float]]]]
     text_offset: List[int]
 
 
@@ -229,6 +247,12 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "megak3"
     max_model_len: int
+    vocab_size: int
+    """the model's vocabulary size (extension: what a trainer checks a served MOPD teacher by)"""
+    tokenizer_sha256: str
+    """SHA-256 of the serialised tokenizer.json (megak3.data.tokenizer.Tokenizer.sha256; extension)"""
+    special_ids: Dict[str, int]
+    """pad / bos / eos / media token ids (extension)"""
 
 
 class ModelList(BaseModel):

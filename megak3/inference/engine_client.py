@@ -7,7 +7,8 @@ Every engine call the server makes is in :class:`EngineClient`, on the engine's 
 
 1. take every queued job (a non-streamed request's prompts and choices, or one streamed choice) and
    ``begin`` each of its sequences; a refusal (``InferenceError``: a bad value, a request that
-   cannot fit the pool even alone) fails that job alone;
+   cannot fit the pool even alone) fails that job alone; a call job (:meth:`EngineClient.call`, e.g.
+   :meth:`EngineClient.score`, the server's ``echo`` prompt scoring) runs there and then, between two steps;
 2. ``abort`` the sequences of every job whose client went away (streamed or not: the engine frees
    their pages at once);
 3. ``step`` every live sequence of every job: streamed and non-streamed sequences share each
@@ -61,6 +62,7 @@ class _Job:
     arrived: float = field(default_factory=time.perf_counter)
     handles: list = field(default_factory=list)   # SeqHandle per request, once begun (engine thread)
     started: set = field(default_factory=set)     # ids of handles counted as running (engine thread)
+    fn: Any = None                    # a call job: fn(engine) run on the engine thread between two steps
 
 
 class TokenStream:
@@ -136,6 +138,20 @@ class EngineClient:
         finally:
             job.cancel.set()
 
+    async def call(self, fn):
+        """``fn(engine)``'s result (or exception), run on the engine thread between two steps."""
+        fut = asyncio.get_running_loop().create_future()
+        self.q.put(_Job(False, [], asyncio.get_running_loop(), fut, fn=fn))
+        return await fut
+
+    async def score(self, seqs: List[List[int]], temperature: float) -> List[List[float]]:
+        """Token logprobs of each sequence (megak3/inference/scoring.py: one training-style forward of the
+        engine's model, on the engine thread)."""
+        from .scoring import prompt_logprobs
+
+        pad = self.engine.tokenizer.pad_id
+        return await self.call(lambda e: prompt_logprobs(e.model, seqs, temperature, pad))
+
     def stream(self, req: Request) -> AsyncIterator[Tuple[int, float, list]]:
         """(token, logprob, top) per generated token as the engine makes it (a :class:`TokenStream`,
         queued at once: streams made together are begun together); an engine refusal is raised by
@@ -167,6 +183,13 @@ class EngineClient:
                     self._fail(j, e)
 
     def _begin(self, job: _Job) -> None:
+        if job.fn is not None:   # a call: answered now, never part of the batch
+            try:
+                value = job.fn(self.engine)
+            except Exception as e:  # noqa: BLE001 - the caller's error
+                value = e
+            self._deliver(job, [value])
+            return
         if job.cancel.is_set():   # the client went away before it started: never reaches the engine
             if self.metrics:
                 self.metrics.waiting.dec(len(job.reqs))

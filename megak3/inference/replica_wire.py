@@ -3,9 +3,11 @@ socket, and the encodings of requests and results (data only: no pickle in eithe
 worker can hand the server nothing but numbers, strings and lists).
 
 A frame is a 4-byte big-endian length then that many bytes of UTF-8 JSON (one object). Messages,
-server -> worker: ``{"id", "op": "generate" | "stream", "reqs": [request]}``, ``{"id", "op":
-"cancel"}``; worker -> server: ``{"op": "hello", ...engine facts}`` once, then ``{"id", "op":
-"result", "results": [result]}``, ``{"id", "op": "token", "t", "lp", "top"}`` per streamed token,
+server -> worker: ``{"id", "op": "generate" | "stream", "reqs": [request]}``, ``{"id", "op": "score",
+"seqs": [[token id]], "temperature"}`` (the ``echo`` prompt scoring, megak3/inference/scoring.py), ``{"id",
+"op": "cancel"}``; worker -> server: ``{"op": "hello", ...engine facts}`` once, then ``{"id", "op":
+"result", "results": [result]}``, ``{"id", "op": "scores", "logprobs": [[float]]}`` (``len(seq) - 1``
+finite values per sequence), ``{"id", "op": "token", "t", "lp", "top"}`` per streamed token,
 ``{"id", "op": "end"}``, ``{"id", "op": "error", "kind": "inference" | "fault", "message"}``, and
 ``{"op": "load", "running", "waiting", "stats"}`` whenever its engine thread starts or ends a call.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import socket
 import struct
 from dataclasses import asdict, fields
@@ -105,10 +108,25 @@ def result_in(d: dict) -> Result:
     return Result(comp, [[(int(i), float(v)) for i, v in row] for row in d.get("top") or []])
 
 
+def scores_in(d: dict, seqs: list) -> list:
+    """The ``scores`` message's logprobs: ``len(seq) - 1`` finite floats per sequence of ``seqs``, else ValueError."""
+    rows = d["logprobs"]
+    if not isinstance(rows, list) or len(rows) != len(seqs):
+        raise ValueError("a scores message holds another number of sequences than the request")
+    out = []
+    for row, s in zip(rows, seqs):
+        if (not isinstance(row, list) or len(row) != max(len(s) - 1, 0)
+                or not all(isinstance(v, float) and math.isfinite(v) for v in row)):
+            raise ValueError("a scores message holds a row of the wrong length or a non-finite value")
+        out.append(row)
+    return out
+
+
 def error_out(rid: int, e: BaseException) -> dict:
     kind = "inference" if isinstance(e, InferenceError) else "fault"
     return {"id": rid, "op": "error", "kind": kind, "message": f"{type(e).__name__}: {e}" if kind == "fault"
             else str(e)}
 
 
-__all__ = ["send", "recv", "WireClosed", "request_out", "request_in", "result_out", "result_in", "error_out"]
+__all__ = ["send", "recv", "WireClosed", "request_out", "request_in", "result_out", "result_in", "scores_in",
+           "error_out"]

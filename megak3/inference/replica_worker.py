@@ -6,7 +6,8 @@ over the socket it inherited (megak3/inference/replica_wire.py: JSON frames, no 
 
 Inside, an :class:`megak3.inference.engine_client.EngineClient` (the server's single-engine adapter)
 runs the jobs it receives, streamed or not, in shared decode steps on the engine's sequence API
-(``begin`` / ``step`` / ``abort``), exactly as the one-engine server does. Started by
+(``begin`` / ``step`` / ``abort``), and the ``score`` jobs (``echo``) on its engine thread, exactly as the
+one-engine server does. Started by
 :class:`megak3.inference.replicas.ReplicaClient`; it exits when the server closes the socket.
 """
 from __future__ import annotations
@@ -100,8 +101,23 @@ def serve(sock: socket.socket, engine) -> None:
             tasks.pop(rid, None)
             report()
 
+    async def score(msg):
+        rid = msg["id"]
+        try:
+            seqs = [[int(t) for t in x] for x in msg["seqs"]]
+            lps = await client.score(seqs, float(msg["temperature"]))
+            put({"id": rid, "op": "scores", "logprobs": lps})
+        except asyncio.CancelledError:
+            pass
+        except Exception as e:  # noqa: BLE001 - the request's error goes back to the server
+            put(error_out(rid, e))
+        finally:
+            tasks.pop(rid, None)
+
     def dispatch(msg):
-        if msg.get("op") == "cancel":
+        if msg.get("op") == "score":
+            tasks[msg["id"]] = loop.create_task(score(msg))
+        elif msg.get("op") == "cancel":
             t = tasks.get(msg.get("id"))
             if t is not None:
                 t.cancel()

@@ -7,10 +7,11 @@ so :class:`megak3.inference.service.OpenAIService` runs over either. Behind it, 
 ``EngineClient``; the server talks to them over socketpairs in JSON frames (replica_wire.py: no pickle
 either way). The server itself reads only the model config and the tokenizer, never the weights.
 
-Routing (megak3/inference/router.py): each distinct prompt of a request is routed once by its ids,
-its decode budget and its image salt (the engine's: blake2b-128 over the images' fp32 bytes), and all
-``n`` choices of that prompt go to the same replica (a GRPO-like group shares its prefix); streamed
-copies of a prompt follow the first copy's replica. When a request finishes, the router records its
+Routing (megak3/inference/router.py): each distinct prompt of a request is routed once by its ids, its decode
+budget and its image salt (the engine's: blake2b-128 over the images' fp32 bytes), and all ``n`` choices of
+that prompt go to the same replica (a GRPO-like group shares its prefix); streamed copies of a prompt follow
+the first copy's replica. A scoring request (``echo``, :meth:`ReplicaClient.score`) reads no cache: it goes
+whole to the up replica with the fewest calls in flight. When a request finishes, the router records its
 prompt + output as cached on that replica, so the next turn of a session goes back there.
 
 A worker that dies fails its in-flight requests (the server answers them with a JSON 500), is marked
@@ -36,7 +37,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 import torch
 
 from .engine_client import ClientDisconnected, Request, Result
-from .replica_wire import WireClosed, recv, request_out, result_in, send
+from .replica_wire import WireClosed, recv, request_out, result_in, scores_in, send
 from .router import Router
 from .types import InferenceError
 
@@ -60,6 +61,7 @@ class _Call:
     replica: int
     loop: asyncio.AbstractEventLoop
     out: Any                          # asyncio.Future (generate) | asyncio.Queue (stream)
+    seqs: Any = None                  # a score call's sequences (its answer is checked against them)
 
 
 class _ProcessLink:
@@ -437,6 +439,35 @@ class ReplicaClient:
                 seqs = [reqs[i].prompt + r.completion.token_ids for i, r in zip(idx, res)] if res else []
                 self._done(ticket, k, salt, seqs)
 
+    async def score(self, seqs: List[List[int]], temperature: float) -> List[List[float]]:
+        """Token logprobs of each sequence (the ``echo`` scoring, megak3/inference/scoring.py), all on one
+        replica: the up replica with the fewest calls in flight (scoring reads no prefix cache, so the
+        router's affinity has nothing to gain; concurrent scoring requests spread over the replicas)."""
+        up = [r.index for r in self.reps if r.up]
+        if not up:
+            raise ReplicaDied("no engine replica is up")
+        busy = {k: 0 for k in up}
+        for c in list(self.pending.values()):
+            if c.replica in busy:
+                busy[c.replica] += 1
+        k = min(up, key=lambda i: (busy[i], i))
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        cid = next(self._ids)
+        self.pending[cid] = _Call(k, loop, fut, seqs)
+        try:
+            self.reps[k].send({"id": cid, "op": "score", "seqs": [[int(t) for t in s] for s in seqs],
+                               "temperature": float(temperature)})
+        except (OSError, ReplicaDied) as e:
+            self.pending.pop(cid, None)
+            raise ReplicaDied(f"engine replica {k} is down: {e}") from None
+        try:
+            return await fut
+        finally:
+            if not fut.done():
+                self._cancel(cid)
+            self.pending.pop(cid, None)
+
     async def stream(self, req: Request) -> AsyncIterator[Tuple[int, float, list]]:
         """(token, logprob, top) per token from the replica the router picks (copies of one prompt:
         the first copy's replica)."""
@@ -522,6 +553,11 @@ class ReplicaClient:
         self.pending.pop(cid, None)
         if op == "result":
             self._deliver(call, [result_in(x) for x in msg["results"]], True)
+        elif op == "scores" and call.seqs is not None:
+            try:
+                self._deliver(call, scores_in(msg, call.seqs), True)
+            except (ValueError, KeyError) as e:
+                self._deliver(call, RuntimeError(f"engine replica {rep.index}: {e}"), True)
         elif op == "end":
             self._deliver(call, None, True)
         elif op == "error":

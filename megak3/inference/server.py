@@ -8,14 +8,15 @@
     curl -sN localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "def", "stream": true}'                                  # server-sent events
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": true``: ``data: {...}``
-events, then ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus,
-megak3/inference/metrics.py), and FastAPI's ``/docs`` and ``/openapi.json``. The schemas are
-megak3/inference/api_models.py, the request/response logic megak3/inference/service.py, and every
-engine call goes through one engine thread (megak3/inference/engine_client.py) that runs the
-sequences of all concurrent requests, streamed or not, in the same decode batches. With ``--replicas N``
-(N > 1) or ``--ray-address``, N engine worker processes (or Ray actors) each do that for the requests the
-cache-affine router sends them (megak3/inference/replicas.py); this process then holds no weights.
+Endpoints: ``POST /v1/completions`` (also prompt scoring: ``"echo": true, "max_tokens": 0``, service.py),
+``POST /v1/chat/completions`` (``"stream": true``: ``data: {...}`` events, then ``data: [DONE]``),
+``GET /v1/models`` (with the tokenizer's hash, vocabulary size and special ids), ``GET /health``, ``GET /metrics``
+(Prometheus, megak3/inference/metrics.py), and FastAPI's ``/docs`` and ``/openapi.json``. The schemas are
+megak3/inference/api_models.py, the request/response logic megak3/inference/service.py, and every engine call
+goes through one engine thread (megak3/inference/engine_client.py) that runs the sequences of all concurrent
+requests, streamed or not, in the same decode batches. With ``--replicas N`` (N > 1) or ``--ray-address``, N
+engine worker processes (or Ray actors) each do that for the requests the cache-affine router sends them
+(megak3/inference/replicas.py); this process then holds no weights.
 
 Errors are JSON in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: a body that is
 not a JSON object, a wrong type or value, an unknown field, a prompt of the model's context or

@@ -15,6 +15,14 @@ from (temperature and top-k / top-p applied; greedy: the model's own), with the 
 completions ``logprobs`` = k most likely alternatives of that same distribution (the engine's, at
 sampling time; tokens truncation removed are not listed); streams carry them too. A prompt of
 ``max_model_len`` tokens or more is refused; a shorter one generates at most up to the context.
+
+Scoring: completions with ``echo: true`` and ``max_tokens: 0`` (:meth:`OpenAIService.echo`) answer each
+prompt's text and, with ``logprobs: 0``, the logprob of each of its tokens after the first under
+``softmax(logits / temperature)`` (0: the untempered logits), from one forward of the engine's model as the
+trainer runs it (megak3/inference/scoring.py); a prompt may then hold ``max_model_len + 1`` tokens. This is
+how an RL run reads a served MOPD teacher (megak3/posttrain/teacher_client.py), the tokenizer and
+vocabulary of which it checks through ``GET /v1/models`` (``vocab_size``, ``tokenizer_sha256``,
+``special_ids``: extensions of the model card).
 """
 from __future__ import annotations
 
@@ -110,7 +118,9 @@ class OpenAIService:
     # ------------------------------------------------------------------------------------ requests
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, created=self.created,
-                                         max_model_len=self.client.max_context)])
+                                         max_model_len=self.client.max_context,
+                                         vocab_size=int(self.client.model_config.vocab_size),
+                                         tokenizer_sha256=self.tok.sha256(), special_ids=self.tok.special_ids())])
 
     def _check_model(self, req) -> None:
         if req.model is not None and req.model != self.model_name:
@@ -144,15 +154,7 @@ class OpenAIService:
 
     def completion_requests(self, req: CompletionRequest) -> List[Request]:
         self._check_model(req)
-        p = req.prompt
-        if isinstance(p, str):
-            ids = [self._encode(p)]
-        elif isinstance(p[0], str):
-            ids = [self._encode(t) for t in p]
-        elif isinstance(p[0], int):
-            ids = [list(p)]
-        else:
-            ids = [list(x) for x in p]
+        ids = self._prompt_ids(req)
         for i, x in enumerate(ids):
             self._check_ids(x, f"prompt {i}", "prompt")
         n = req.n or 1
@@ -244,7 +246,45 @@ class OpenAIService:
         except InferenceError as e:
             raise RequestError(str(e)) from None
 
+    def _prompt_ids(self, req: CompletionRequest) -> List[List[int]]:
+        p = req.prompt
+        if isinstance(p, str):
+            return [self._encode(p)]
+        if isinstance(p[0], str):
+            return [self._encode(t) for t in p]
+        if isinstance(p[0], int):
+            return [list(p)]
+        return [list(x) for x in p]
+
+    async def echo(self, req: CompletionRequest) -> CompletionResponse:
+        """``echo`` with ``max_tokens: 0``: each prompt's text and, with ``logprobs: 0``, its tokens'
+        logprobs (the first null) from one forward of the engine's model (megak3/inference/scoring.py)."""
+        from .scoring import check_scoring
+
+        self._check_model(req)
+        ids = self._prompt_ids(req)
+        try:
+            check_scoring(ids, int(self.client.model_config.vocab_size), self.client.max_context)
+        except InferenceError as e:
+            raise RequestError(str(e), "prompt") from None
+        lps = await self.client.score(ids, 1.0 if req.temperature is None else float(req.temperature))
+        choices = []
+        for k, (x, lp) in enumerate(zip(ids, lps)):
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = self._completion_logprobs(x, [None] + list(lp), [[]] * len(x), True)
+                logprobs.top_logprobs[0] = None
+            choices.append(CompletionChoice(index=k, text=self.tok.decode(x), finish_reason="length",
+                                            logprobs=logprobs))
+        if self.metrics:
+            self.metrics.prompt_tokens.inc(sum(len(x) for x in ids))
+        n = sum(len(x) for x in ids)
+        return CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name,
+                                  choices=choices, usage=Usage(prompt_tokens=n, completion_tokens=0, total_tokens=n))
+
     async def completions(self, req: CompletionRequest, disconnected=None) -> CompletionResponse:
+        if req.echo:
+            return await self.echo(req)
         reqs = self.completion_requests(req)
         res = await self._generate(reqs, disconnected)
         choices = [CompletionChoice(

@@ -8,6 +8,7 @@ built-in chat corpus, data=demo_sft, and its verifiable tasks).
     rewards.py    exact answers, the effort-control override, MOPD's per-token reward
     tasks.py      task mixtures with domain/effort tags (rl.tasks), user reward functions (rl.reward)
     mopd.py       MOPD teachers by domain tag: checked against the student, each scoring its own rows
+    teacher_client.py  a MOPD teacher served over HTTP (TAG=http://HOST:PORT): start check, echo scoring, strict parsing
     buffer.py     rollouts with a policy version and a behaviour logprob per token; the rollout buffer
     rollout.py    partial rollouts on the in-process engine (pause / resume with caches kept)
     rl.py         the RL loop (RLRunner): generate, reward, update through RankStep, refit

@@ -1,28 +1,33 @@
 """MOPD teachers: one per domain tag, checked against the student at start, each scoring only its own rows.
 
 ``rl.mopd_teachers=add=PATH,reverse@high=PATH`` maps sample tags (megak3/posttrain/tasks.py: ``TASK`` or
-``TASK@EFFORT``) to teacher checkpoints (megak3 run / checkpoint directories, an RL run's included, or Hugging
-Face directories). A sample takes the teacher of its exact tag, else the one of its task; every entry of the
-task mixture must have one and every teacher must serve some entry. A single untagged ``PATH`` teaches every
-sample. Several untagged paths are refused (teachers are assigned by domain, never by arrival order).
+``TASK@EFFORT``) to teacher checkpoints (megak3 run / checkpoint directories, an RL run's included, or Hugging Face
+directories), each loaded into every trainer rank that scores rows, or to served teachers
+(``add=http://HOST:PORT``: a megak3 server, megak3/posttrain/teacher_client.py), whose weights stay in the server's
+processes (``serve --replicas N`` or Ray actors). A sample takes the teacher of its exact tag, else the one of its
+task; every entry of the task mixture must have one and every teacher must serve some entry. A single untagged
+``PATH`` teaches every sample. Several untagged paths are refused (teachers are assigned by domain, never by
+arrival order).
 
 :func:`load_teachers` checks every teacher before any rollout: the same tokenizer as the student (SHA-256 of
-its serialised JSON), the same vocabulary size and the same special ids; otherwise one line naming the teacher
-and what differs.
+its serialised JSON), the same vocabulary size and the same special ids (a served teacher's from its
+``GET /v1/models`` card); otherwise one line naming the teacher and what differs. An unreachable URL is
+refused there too.
 
 :func:`teacher_logprobs` scores each row with its own teacher only: the rows of a micro-batch are grouped by
-teacher and each group is one batched forward of that teacher, so the teacher row-forwards of an update equal
-the rows trained whatever the number of teachers. It also returns, per teacher, the sum over its response
-tokens of ``log pi_theta - log pi_teacher`` (on the student's own samples: a one-sample estimate of
-KL(pi_theta || pi_teacher), the distillation progress the summary prints) and the token count.
+teacher and each group is one batched forward of that teacher (a served one: one scoring request), so the teacher
+row-forwards of an update equal the rows trained whatever the number of teachers. It also returns, per teacher, the
+sum over its response tokens of ``log pi_theta - log pi_teacher`` (on the student's own samples: a one-sample
+estimate of KL(pi_theta || pi_teacher), the distillation progress the summary prints) and the token count.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Union
 
 import torch
+
+from .teacher_client import ServedTeacher, is_url
 
 
 @dataclass
@@ -30,15 +35,16 @@ class Teacher:
     tag: str
     """the tag it teaches ('' : every sample)"""
     path: str
-    model: torch.nn.Module
+    """its checkpoint path or server URL"""
+    model: Union[torch.nn.Module, ServedTeacher]
 
 
 def tokenizer_hash(tok) -> str:
-    return hashlib.sha256(tok.hf.to_str().encode()).hexdigest()
+    return tok.sha256()
 
 
 def special_ids(tok) -> dict:
-    return {"pad": tok.pad_id, "bos": tok.bos_id, "eos": tok.eos_id, "media": tok.media_id}
+    return tok.special_ids()
 
 
 def parse_teachers(spec: str) -> List[tuple]:
@@ -47,7 +53,7 @@ def parse_teachers(spec: str) -> List[tuple]:
     out = []
     for it in items:
         tag, sep, path = it.partition("=")
-        if not sep:
+        if not sep or is_url(it):   # an untagged URL (its query, if any, is refused later)
             tag, path = "", it
         if sep and (not tag.strip() or not path.strip()):
             raise ValueError(f"rl.mopd_teachers={spec!r}: {it!r} must be TAG=PATH, e.g. add=runs/teacher_add")
@@ -83,27 +89,34 @@ def route(task_tags: Sequence[str], teachers: Sequence[Teacher], spec: str) -> D
     return out
 
 
-def load_teachers(spec: str, student_tok, vocab_size: int, device="cpu") -> List[Teacher]:
-    """Load and check the teachers of ``rl.mopd_teachers`` (module docstring)."""
+def load_teachers(spec: str, student_tok, vocab_size: int, device="cpu", temperature: float = 1.0,
+                  timeout_s: float = 120.0, retries: int = 2) -> List[Teacher]:
+    """Load and check the teachers of ``rl.mopd_teachers`` (module docstring). A served teacher scores at
+    ``temperature`` (the trainer's ``rl.temperature``) and waits ``timeout_s`` per request, ``retries`` more
+    times after a connection error, timeout or 5xx (megak3/posttrain/teacher_client.py)."""
     from ..inference import Engine
 
     want_hash, want_ids = tokenizer_hash(student_tok), special_ids(student_tok)
     out = []
     for tag, path in parse_teachers(spec):
-        eng = Engine.from_pretrained(path, device=device)
         name = f"rl.mopd_teachers: teacher {tag + '=' if tag else ''}{path}"
-        V = eng.model.config.vocab_size
+        if is_url(path):
+            model = ServedTeacher(path, name, temperature, timeout_s, retries)
+            facts = model.facts()
+            V, h, ids = facts["vocab_size"], facts["tokenizer_sha256"], facts["special_ids"]
+        else:
+            eng = Engine.from_pretrained(path, device=device)
+            model = eng.model
+            V, h, ids = eng.model.config.vocab_size, tokenizer_hash(eng.tokenizer), special_ids(eng.tokenizer)
         if V != vocab_size:
             raise ValueError(f"{name} has vocabulary size {V}, the student {vocab_size}: distil from teachers of the "
                              "student's vocabulary")
-        h = tokenizer_hash(eng.tokenizer)
         if h != want_hash:
-            raise ValueError(f"{name} has another tokenizer (sha256 {h[:12]}, the student's {want_hash[:12]}): "
+            raise ValueError(f"{name} has another tokenizer (sha256 {str(h)[:12]}, the student's {want_hash[:12]}): "
                              "distil from teachers trained with the student's tokenizer.json")
-        ids = special_ids(eng.tokenizer)
         if ids != want_ids:
             raise ValueError(f"{name} has special ids {ids}, the student {want_ids}")
-        out.append(Teacher(tag, path, eng.model))
+        out.append(Teacher(tag, path, model))
     return out
 
 
@@ -113,14 +126,15 @@ def teacher_logprobs(logp_fn, teachers: Sequence[torch.nn.Module], which_B: List
     """``(logp_teacher_BT, rows_forwarded)``: row b of a ``shape`` [B, T] micro-batch scored by teacher
     ``which_B[b]`` (-1: a padding row, scored by none), each teacher's rows in one forward.
     ``make_batch(rows)``: the micro-batch of those rows (same length); ``logp_fn(model, mb)`` the token
-    logprobs of a batch."""
+    logprobs of a batch (a :class:`ServedTeacher`: its one scoring request for the rows instead)."""
     out = torch.zeros(shape, device=device)
     forwarded = 0
     for m in range(len(teachers)):
         rows = [b for b, w in enumerate(which_B) if w == m]
         if not rows:
             continue
-        lp = logp_fn(teachers[m], make_batch(rows))
+        t, mb = teachers[m], make_batch(rows)
+        lp = t.logprobs(mb) if isinstance(t, ServedTeacher) else logp_fn(t, mb)
         out[torch.tensor(rows, device=device)] = lp[:len(rows)].to(out.dtype)
         forwarded += len(rows)
     return out, forwarded

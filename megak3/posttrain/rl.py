@@ -102,12 +102,17 @@ class RLConfig:
     seed: int = 0
     """prompt order and sampling seeds"""
     mopd_teachers: str = ""
-    """MOPD: TAG=PATH,... teacher checkpoints (megak3 or Hugging Face) by sample tag, or one untagged PATH for
+    """MOPD: TAG=PATH,... teacher checkpoints (megak3 or Hugging Face) or served teachers (TAG=http://HOST:PORT,
+    a megak3 server: megak3/posttrain/teacher_client.py) by sample tag, or one untagged PATH for
     every sample (megak3/posttrain/mopd.py); the advantage of every response token becomes
     clip(log pi_teacher - log pi_theta, -mopd_r_max, mopd_r_max) with the teacher of the sample's own tag
     (empty: the task reward and group advantages)"""
     mopd_r_max: float = 1.0
     """R_max of the MOPD per-token reward"""
+    mopd_timeout_s: float = 120.0
+    """a served teacher's per-request timeout in seconds"""
+    mopd_retries: int = 2
+    """retries of a served teacher's request after a connection error, timeout or 5xx"""
     ignore_eos: bool = False
     """sample every response to its full budget (benchmarks: lengths set by the budgets alone)"""
     engine_dtype: str = "float32"
@@ -140,6 +145,8 @@ class RLConfig:
         need(self.effort_tau >= 0, "effort_tau", "must be >= 0")
         need(self.effort_tau == 0 or self.effort_budget > 0, "effort_budget", "must be > 0 with rl.effort_tau > 0")
         need(self.mopd_r_max > 0, "mopd_r_max", "must be > 0")
+        need(self.mopd_timeout_s > 0, "mopd_timeout_s", "must be > 0 (seconds)")
+        need(self.mopd_retries >= 0, "mopd_retries", "must be >= 0")
         need(self.engine_dtype in ("float32", "bfloat16"), "engine_dtype", "must be 'float32' or 'bfloat16'")
         from ..data.demo_sft import FAMILIES
 
@@ -248,7 +255,8 @@ class RLRunner:
         self.reward_fn = (load_reward(rl.reward, tokenizer, next(prompt_stream(tokenizer, self.task_specs, rl.seed)))
                           if rl.reward else None)
         # MOPD: checked against the student (tokenizer, vocabulary, special ids) before any rollout
-        found = load_teachers(rl.mopd_teachers, tokenizer, job.model.vocab_size, device) if rl.mopd_teachers else []
+        found = load_teachers(rl.mopd_teachers, tokenizer, job.model.vocab_size, device, rl.temperature,
+                              rl.mopd_timeout_s, rl.mopd_retries) if rl.mopd_teachers else []
         self.teachers = [t.model for t in found]
         self.teacher_tags = [t.tag for t in found]
         self.teacher_routes = route([rl.env] if rl.env else [t.tag for t in self.task_specs], found,

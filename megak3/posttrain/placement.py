@@ -57,12 +57,17 @@ def world_of(ps: Optional[ParallelState], placement: str) -> Tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def check_run(rl, par) -> None:
-    """Refuse (one line, naming the field) what the separate placement or the lag does not build."""
+def check_run(rl, par, run_dir: str = "") -> None:
+    """Refuse (one line, naming the field) what the separate placement or the lag does not build
+    (``run_dir``: the run is to be resumable, ``train.run_dir``)."""
     ro = rl.rollout
     what = "rl.rollout.placement=separate" if ro.placement == "separate" else "rl.rollout.lag=1"
     if ro.placement == "colocated" and ro.lag == 0:
         return
+    if run_dir:
+        raise ValueError(f"train.run_dir={run_dir} with {what}: resumable runs are built for colocated engines at "
+                         "lag 0 (the batch generated ahead is not checkpointed); drop train.run_dir or set "
+                         "rl.rollout.placement=colocated rl.rollout.lag=0")
     if rl.env:
         raise ValueError(f"rl.env={rl.env} with {what}: agentic episodes run with colocated engines at lag 0; "
                          "set rl.rollout.placement=colocated rl.rollout.lag=0")
@@ -71,21 +76,30 @@ def check_run(rl, par) -> None:
                          "made by a world collective the engine ranks do not join; set parallel.overlap_param_gather=false")
 
 
+def trainer_ranks(rl, par, model_cfg=None) -> int:
+    """How many of this run's ranks (``WORLD_SIZE``; 1 outside torchrun) train; raises a one-line ValueError
+    for a layout or placement the world cannot hold (callable before any process group or model exists)."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    rl.rollout.validate()
+    check_run(rl, par)
+    if rl.rollout.placement == "separate" and world < 2:
+        world_of(None, "separate")  # raises: no ranks of its own
+    return rl.rollout.resolve(par, world, model_cfg).trainer_ranks(world)
+
+
 def init_rl_parallel(job, rl) -> Optional[ParallelState]:
     """The trainer's ParallelState on this rank (None on an engine rank of the separate placement; a
     one-process state outside torchrun). Checks the rollout layout against the world first (one-line
     ValueError naming the field, before any process group exists)."""
     import os
 
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    rl.rollout.validate()
-    check_run(rl, job.parallel)
-    if rl.rollout.placement == "separate" and world < 2:
-        world_of(None, "separate")  # raises: no ranks of its own
-    cfg = rl.rollout.resolve(job.parallel, world, job.model)
+    trainers, world = trainer_ranks(rl, job.parallel, job.model), int(os.environ.get("WORLD_SIZE", "1") or 1)
+    job.validate(trainers)
     if world == 1:
         return ParallelState.single()
-    return init_parallel(job.parallel, model_cfg=job.model, ranks=cfg.trainer_ranks(world))
+    return init_parallel(job.parallel, model_cfg=job.model, ranks=trainers)
 
 
 def sharing_group(trainers: int, timeout_s: float):

@@ -293,10 +293,7 @@ class RLRunner:
         what ``resume`` names (``train.resume``: auto, none or a checkpoint). True when a state was restored."""
         from .checkpoint import RLCheckpoint
 
-        if self.rollout.placement != "colocated" or self.rollout.lag:
-            raise ValueError(f"train.run_dir with rl.rollout.placement={self.rollout.placement} "
-                             f"rl.rollout.lag={self.rollout.lag}: resumable runs are built for colocated engines "
-                             "at lag 0 (placement.py); drop train.run_dir or set both")
+        check_run(self.rl, self.job.parallel, run_dir=str(run_dir))
         self.state = RLCheckpoint(self, run_dir, save_interval, keep_last)
         self.sampler.on_finish = self.state.journal
         return self.state.restore(resume)

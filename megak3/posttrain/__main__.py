@@ -237,8 +237,14 @@ def main(argv=None) -> int:
         run(args, rl_over, optim_over, shuffle=False, train_over=train_over, par_over=par_over)
         if args.control:
             run(args, rl_over, optim_over, shuffle=True, train_over=train_over, par_over=par_over)
-    except ValueError as e:  # InferenceError, config errors: one line
-        print(f"error: {e}", file=sys.stderr)
+    except ValueError as e:  # InferenceError, config errors: one line (under torchrun: rank 0 prints it)
+        import os
+
+        from megak3.launch.torchrun import record_user_error
+
+        if os.environ.get("RANK", "0") in ("", "0"):
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        record_user_error(f"error: {e}")
         return 2
     return 0
 

@@ -1,19 +1,25 @@
-"""Rollout engines with their own layout and count, colocated on the trainer's ranks.
+"""Rollout engines with their own layout and count, colocated on the trainer's ranks or on ranks of their own.
 
 ``rl.rollout.tp`` x ``rl.rollout.ep`` is one engine replica's layout (no pipeline or context parallelism,
 no sequence parallelism: decoding runs one token per sequence); a replica spans ``E = lcm(tp, ep)`` ranks
-(dense grid tp x dp=E/tp, expert grid ep x edp=E/ep, as a training layout of E ranks would be). Replica
-``r`` of ``rl.rollout.replicas`` lives on the trainer's ranks ``[r*E, (r+1)*E)`` (colocated: the ranks
-time-share the trainer's memory and cores; ``rl.rollout.release`` frees the engine's weights while the
-trainer updates, and the refit re-creates them). Ranks beyond ``replicas*E`` hold no engine.
+(dense grid tp x dp=E/tp, expert grid ep x edp=E/ep, as a training layout of E ranks would be).
+``rl.rollout.placement=colocated`` (the default): replica ``r`` of ``rl.rollout.replicas`` lives on the
+trainer's ranks ``[r*E, (r+1)*E)`` (the ranks time-share the trainer's memory and cores;
+``rl.rollout.release`` frees the engine's weights while the trainer updates, and the refit re-creates them);
+ranks beyond ``replicas*E`` hold no engine. ``rl.rollout.placement=separate``: the replicas hold the world's
+last ``replicas*E`` ranks and the trainer the first ones (megak3/posttrain/placement.py, which also defines
+``rl.rollout.lag``).
 
-Why colocated is the default (and, for now, the only placement built): on a fixed set of ranks the trainer's
-state is sharded over all of them instead of half, and the engine's weights are released during the update, so
-the peak memory per rank is lower; in synchronous RL neither side idles while the other works. Measured by
-tools/bench_rl_placement.py (2 gloo ranks, parity-sized model, against a trainer on one rank and an engine on
-the other): peak memory per rank 0.74x with a tp2 trainer and engine, 0.86x with dp2 and two tp1 replicas; on
-a shared 2-core CPU host the wall time per iteration was 1.15x / 1.42x the separate estimate (two ranks get no
-parallel speed-up there), so the memory is the reason, not the time.
+Why colocated is the default: it runs on any number of ranks, one process included (separate needs ranks of
+its own for the engines), and on a fixed set of ranks its peak memory per rank is lower: the trainer's state is
+sharded over every rank and the engine's weights are released during the update. Measured by
+tools/bench_rl_placement.py (2 gloo ranks, parity-sized model, median of 3 repeats each, colocated vs a
+one-rank trainer + one tp1 engine rank): peak tensor bytes per rank of separate 1.16x colocated's with a dp2
+trainer and two tp1 replicas, 1.34x with a tp2 trainer and one tp2 replica. The separate placement at
+``lag=1`` keeps the learner busy instead: its learner-idle fraction (time not spent updating) was 0.13-0.17
+against colocated's 0.60-0.61. Its wall time per iteration on that shared 2-core host was 0.58-0.89x (dp2)
+and 0.37-0.41x (tp2, whose decoding pays gloo all-reduces in every layer for every token) colocated's, with repeats
+spread up to 1.7x by the host's load; use it where the trainer fits on fewer ranks.
 
 :func:`replica_groups` creates every replica's process groups (collective over the world: every rank
 creates every group, in one order) and returns this rank's engine :class:`~parallel.state.ParallelState`.

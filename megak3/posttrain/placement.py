@@ -96,7 +96,14 @@ def init_rl_parallel(job, rl) -> Optional[ParallelState]:
     import os
 
     trainers, world = trainer_ranks(rl, job.parallel, job.model), int(os.environ.get("WORLD_SIZE", "1") or 1)
-    job.validate(trainers)
+    try:
+        job.validate(trainers)
+    except ValueError as e:
+        if trainers == world:
+            raise
+        raise ValueError(f"{e} (rl.rollout.placement=separate leaves the trainer {trainers} of the world's {world} "
+                         f"ranks; the engines take the rest: rl.rollout.replicas x lcm(rl.rollout.tp, rl.rollout.ep), "
+                         "whose tp defaults to parallel.tp)") from None
     if world == 1:
         return ParallelState.single()
     return init_parallel(job.parallel, model_cfg=job.model, ranks=trainers)

@@ -22,13 +22,17 @@ One iteration (:meth:`RLRunner.iteration`):
    MOPD's, each row's from the teacher of its tag (megak3/posttrain/mopd.py).
 5. The policy version goes up by one and the engine's model is refit from the trainer's in memory.
 
+With ``rl.rollout.lag=1`` the next batch (steps 1-2) is generated before the update on this one, by the
+weights this update starts from (one-step off-policy); with ``rl.rollout.placement=separate`` the engines run
+on ranks of their own and each rank does its roles' part of the iteration (megak3/posttrain/placement.py).
+
 Layouts: the trainer runs at any layout pretraining supports (megak3/posttrain/update.py): data, tensor
 with or without sequence parallelism, pipeline with every schedule (the policy loss is the last stage's head,
 every micro-batch padded to one fixed [rl.micro_batch_size, longest sample] shape), context parallelism (each
 CP rank scores its segment of every row) and expert parallelism with or without tp. The rollout engines have
 their own layout and count (``rl.rollout.*``, megak3/posttrain/engines.py: tp x ep replicas colocated on the
-trainer's ranks); the refit reshards the trainer's boxes into every engine rank's boxes in memory
-(megak3/posttrain/refit.py) and records ``refit_s`` and ``refit_bytes`` (bytes received by this rank's engine).
+trainer's ranks, or on ranks of their own); the refit reshards the trainer's boxes into every engine rank's
+boxes in memory (megak3/posttrain/refit.py) and records ``refit_s`` and ``refit_bytes`` (bytes received by this rank's engine).
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Rollout engines on ranks of their own (rl.rollout.placement=separate) equal one-process RL (gloo ranks).
 
-One world of 3 ranks runs three separate placements in turn: a tp2 trainer + one tp1 engine rank at lag 0, a
-dp2 trainer + one engine rank at lag 1, and a one-rank trainer + two tp1 engine replicas at lag 0. Each is
+One world of 3 ranks runs four separate placements in turn: a tp2 trainer + one tp1 engine rank at lag 0, a
+dp2 trainer + one engine rank at lag 1, a one-rank trainer + two tp1 engine replicas at lag 0, and a pp2 (1f1b)
+trainer + one engine rank at lag 1. Each is
 compared over 3 updates with the one-process colocated run at the same lag: the same samples (uids, token ids,
 the versions that sampled them; behaviour logprobs <= 1e-5), loss and grad norm <= 1e-4; at lag 0 the engine's
 logprobs equal the trainer's forward after every refit (lp_gap <= 1e-5), at lag 1 every trained token of
@@ -20,6 +21,7 @@ CASES = [  # trainer ranks, trainer layout, engine layout, lag
     (2, {"tp": 2}, {"tp": 1, "replicas": 1}, 0),
     (2, {}, {"tp": 1, "replicas": 1}, 1),
     (1, {}, {"tp": 1, "replicas": 2}, 0),
+    (2, {"pp": 2}, {"tp": 1, "replicas": 1}, 1),
 ]
 
 
@@ -116,3 +118,32 @@ def test_lag_control_differs(tok_path):  # noqa: F811
     diff = _differences(lag0, lag1)
     assert diff and not any(d.startswith("update 0") for d in diff), diff
     assert any("loss" in d for d in diff) and any("logprobs" in d for d in diff), diff
+
+
+@pytest.mark.parametrize("over,msg", [
+    (["rl.rollout.placement=separate"], "error: rl.rollout.placement=separate needs ranks of its own"),
+    (["rl.rollout.lag=2"], "error: rl.rollout.lag=2 must be 0"),
+    (["rl.rollout.placement=apart"], "error: rl.rollout.placement='apart' must be one of colocated, separate"),
+    (["rl.rollout.lag=1", "train.run_dir=r"], "error: train.run_dir=r with rl.rollout.lag=1"),
+    (["rl.rollout.lag=1", "rl.env=ledger"], "error: rl.env=ledger with rl.rollout.lag=1"),
+])
+def test_bad_placement_is_one_line_exit_2(over, msg, capsys, tmp_path):
+    """Refused before the checkpoint is read (it does not exist here), one line, exit code 2."""
+    from megak3.posttrain.__main__ import main
+
+    assert main(["--init-from", str(tmp_path / "none"), *over]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(msg) and err.count("\n") == 1, err
+
+
+def test_separate_layout_errors_name_the_field():
+    from megak3.posttrain.engines import RolloutConfig
+
+    par = _layout_job(1).parallel
+    assert RolloutConfig(placement="separate", tp=1).resolve(par, 3).trainer_ranks(3) == 2  # one replica by default
+    assert RolloutConfig(placement="separate", tp=1, replicas=2).resolve(par, 3).engine_offset(3) == 1
+    for cfg, msg in ((RolloutConfig(placement="separate", tp=1, replicas=3), "rl.rollout.replicas=3 x 1 ranks each"),
+                     (RolloutConfig(placement="separate", tp=2), "rl.rollout.tp=2 x rl.rollout.ep=1 needs 2 ranks")):
+        with pytest.raises(ValueError) as e:
+            cfg.resolve(par, 2)
+        assert str(e.value).startswith(msg) and "\n" not in str(e.value), str(e.value)

@@ -87,6 +87,7 @@ def run(args, rl_over, optim_over, shuffle: bool, train_over=(), par_over=()) ->
     for k, v in par_over:
         _set(par, k, v, "parallel.")
     trainer_ranks(rl, par)
+    check_run(rl, par, run_dir=dict(train_over).get("run_dir", ""))
     src = Engine.from_pretrained(args.init_from)  # after the cheap checks: a typo fails before the load
     from megak3.data.config import DataConfig
 

@@ -22,7 +22,9 @@ staleness weights account for it):
     engine ranks:  gen_0 share_0 | gen_1 share_1 refit_1 | gen_2 share_2 refit_2 | ... | refit_N
     trainer ranks:       share_0 | upd_0 share_1 refit_1 | upd_1 share_2 refit_2 | ... | upd_N-1 refit_N
 
-so every trained token of batch k >= 1 is exactly one version stale (batch 0: none). Colocated at lag 1 runs
+so every trained token of batch k >= 1 is exactly one version stale (batch 0: none) when every sample finishes
+in its batch (``rl.partial_fraction=1``); a paused sample's older tokens add to that, and ``rl.max_staleness``
+counts the lag in (a group is run to its end when it would otherwise be trained more than that many versions late). Colocated at lag 1 runs
 the same order on one set of ranks (gen_k+1, then upd_k), which makes a one-process run the reference of the
 separate placement at either lag (tests/test_rl_placement.py).
 

@@ -355,7 +355,8 @@ class RLRunner:
                 self.sampler.run(buf.unfinished(), self.version, stop_after=need)
         while not buf.has_trainable() and buf.unfinished():  # something to train on
             self.sampler.run(buf.unfinished(), self.version, stop_after=1)
-        while rl.max_staleness > 0 and buf.unfinished() and buf.stale_unfinished(self.version, rl.max_staleness):
+        trains_at = self.version + self.rollout.lag  # the version whose update takes this batch
+        while rl.max_staleness > 0 and buf.unfinished() and buf.stale_unfinished(trains_at, rl.max_staleness):
             self.sampler.run(buf.unfinished(), self.version, stop_after=1)
         return {"gen_s": time.perf_counter() - t0, "paused": len(self.buffer.unfinished())}
 

@@ -40,7 +40,8 @@ def _run(rank, world, trainers, trainer, engine, lag, tok_path):
     job = _layout_job(trainers, **trainer)
     placement = "separate" if world > trainers else "colocated"
     rl = RLConfig(iterations=3, prompts=2, group_size=2, max_tokens=4, micro_batch_size=2,
-                  reward="tests.test_rl_placement:token_reward", rollout=RolloutConfig(placement=placement, lag=lag, **engine))
+                  reward="tests.test_rl_placement:token_reward",
+                  rollout=RolloutConfig(placement=placement, lag=lag, **engine))
     ps = init_rl_parallel(job, rl)
     runner = RLRunner(job, rl, load_tokenizer(tok_path), ps=ps,
                       engine_options={"page_size": 8, "num_pages": 64, "prefill_chunk": 8})

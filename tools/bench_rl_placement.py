@@ -12,12 +12,13 @@ loop (megak3/posttrain/rl.py, placement.py), each on the same 2 ranks:
 - separate, lag 1: the same ranks, the engine generating batch k+1 while the trainer updates on batch k.
 
 Per run: seconds per iteration (mean over the iterations after the first, which warms up; the slowest rank's
-clock; with ``--repeats N`` the three runs are repeated N times in turn and the median is printed), the learner-idle fraction (rank 0: 1 - update seconds / iteration seconds, over the same iterations:
+clock; with ``--repeats N`` the three runs are repeated N times in turn and the median is printed), the
+learner-idle fraction (rank 0: 1 - update seconds / iteration seconds, over the same iterations:
 the time its trainer spends generating, waiting for samples or in the refit), and the peak memory per rank,
 counted as the bytes of the tensors a rank holds at its peak: the trainer's parameters, gradients (as many bytes
 as the parameters, held during the update only) and optimizer state; the engine's weights and paged cache pool.
-Ratios are printed against colocated. On a host with fewer free cores than ranks (this one: 2 cores shared)
-the overlap of lag 1 can only show as far as the cores allow.
+Ratios are printed against colocated. On a host with fewer free cores than ranks (the development host: 2 cores
+shared by several users) the overlap of lag 1 shows in the idle fraction more than in the wall time.
 """
 from __future__ import annotations
 

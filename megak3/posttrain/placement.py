@@ -24,13 +24,14 @@ staleness weights account for it):
 
 so every trained token of batch k >= 1 is exactly one version stale (batch 0: none) when every sample finishes
 in its batch (``rl.partial_fraction=1``); a paused sample's older tokens add to that, and ``rl.max_staleness``
-counts the lag in (a group is run to its end when it would otherwise be trained more than that many versions late). Colocated at lag 1 runs
-the same order on one set of ranks (gen_k+1, then upd_k), which makes a one-process run the reference of the
-separate placement at either lag (tests/test_rl_placement.py).
+counts the lag in (a group is run to its end when it would otherwise be trained more than that many versions
+late). Colocated at lag 1 runs the same order on one set of ranks (gen_k+1, then upd_k), which makes a
+one-process run the reference of the separate placement at either lag (tests/test_rl_placement.py).
 
-Not built with ``separate`` or ``lag=1``: agentic episodes (``rl.env``), resumable runs (``train.run_dir``:
-the batch generated ahead is not in the checkpoint), and ``parallel.overlap_param_gather`` (its ZeRO-1 groups
-are made by a world collective the engine ranks do not take part in).
+Not built with ``separate`` or ``lag=1`` (refused in one line, :func:`check_run`): agentic episodes (``rl.env``)
+and resumable runs (``train.run_dir``: the batch generated ahead is not in the checkpoint); nor, with
+``separate``, ``parallel.overlap_param_gather`` (its ZeRO-1 groups are made by a world collective the engine
+ranks do not take part in).
 """
 from __future__ import annotations
 
@@ -75,7 +76,8 @@ def check_run(rl, par, run_dir: str = "") -> None:
                          "set rl.rollout.placement=colocated rl.rollout.lag=0")
     if ro.placement == "separate" and getattr(par, "overlap_param_gather", False):
         raise ValueError("parallel.overlap_param_gather=true with rl.rollout.placement=separate: its groups are "
-                         "made by a world collective the engine ranks do not join; set parallel.overlap_param_gather=false")
+                         "made by a world collective the engine ranks do not join; set "
+                         "parallel.overlap_param_gather=false")
 
 
 def trainer_ranks(rl, par, model_cfg=None) -> int:

@@ -32,7 +32,8 @@ every micro-batch padded to one fixed [rl.micro_batch_size, longest sample] shap
 CP rank scores its segment of every row) and expert parallelism with or without tp. The rollout engines have
 their own layout and count (``rl.rollout.*``, megak3/posttrain/engines.py: tp x ep replicas colocated on the
 trainer's ranks, or on ranks of their own); the refit reshards the trainer's boxes into every engine rank's
-boxes in memory (megak3/posttrain/refit.py) and records ``refit_s`` and ``refit_bytes`` (bytes received by this rank's engine).
+boxes in memory (megak3/posttrain/refit.py) and records ``refit_s`` and ``refit_bytes`` (bytes received by this
+rank's engine).
 """
 from __future__ import annotations
 
@@ -206,8 +207,11 @@ def copy_weights(src: torch.nn.Module, dst: torch.nn.Module, plan=None) -> int:
 
 
 class RLRunner:
-    """One rank of an RL run (module docstring). ``init_from``: a megak3 checkpoint/run directory or a
-    Hugging Face directory whose weights start the policy (None: the RankStep's initialisation)."""
+    """One rank of an RL run (module docstring). ``ps``: the trainer's ParallelState (None: one process; with
+    ``rl.rollout.placement=separate`` None on an engine rank: megak3.posttrain.placement.init_rl_parallel).
+    ``init_from``: a megak3 checkpoint/run directory or a Hugging Face directory whose weights start the policy
+    (None: the RankStep's initialisation). ``model``/``rs``/``ps`` are None on a rank that does not train,
+    ``engine``/``sampler`` on one that does not generate."""
 
     def __init__(self, job: JobConfig, rl: RLConfig, tokenizer, ps: Optional[ParallelState] = None,
                  device="cpu", init_from: Optional[str] = None, engine_options: Optional[dict] = None,
@@ -216,8 +220,7 @@ class RLRunner:
         check_run(rl, job.parallel)
         rank, world = world_of(ps, rl.rollout.placement)
         self.rollout = rl.rollout.resolve(job.parallel, world, job.model)
-        T = self.rollout.trainer_ranks(world)
-        """this rank trains when it is one of the world's first T (placement.py); engine ranks have no ps"""
+        T = self.rollout.trainer_ranks(world)  # this rank trains when it is one of the world's first T
         if rank < T:
             ps = ps or ParallelState.single()
             if ps.world_size != T:
@@ -243,7 +246,7 @@ class RLRunner:
             src = Engine.from_pretrained(init_from, device=device).model  # whole tensors (any saved layout)
             copy_weights(src, self.model, self.rs.plan)  # each rank takes its tp / ep boxes
         self.ref_model = self.ref_pipe = None
-        if rl.loss.kl_coef > 0 and ps is not None:  # the reference policy at the trainer's layout (pipeline stages included)
+        if rl.loss.kl_coef > 0 and self.ps is not None:  # the reference policy at the trainer's layout (pp included)
             self.ref_model, ref_plan = policy_copy(job, ps, device, torch.float32)
             copy_weights(self.model, self.ref_model)
             if ps.pp_size > 1:

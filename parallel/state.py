@@ -145,7 +145,7 @@ def _resolve_backend(backend: str) -> str:
 
 def init_parallel(cfg: ParallelConfig, backend: Optional[str] = None,
                   timeout_s: Optional[float] = None, model_cfg=None,
-                  init_method: str = "env://") -> ParallelState:
+                  init_method: str = "env://", ranks: Optional[int] = None) -> Optional[ParallelState]:
     """Create every process group of `cfg`'s layout; return this rank's ParallelState.
 
     cfg: the layout (dp=0 derives dp from the world size).
@@ -156,6 +156,10 @@ def init_parallel(cfg: ParallelConfig, backend: Optional[str] = None,
         come from the environment (torchrun sets them). Without WORLD_SIZE, or with WORLD_SIZE=1,
         and no initialised process group, this returns a one-process state (every group None,
         as ParallelState.single()) after checking that cfg fits one rank.
+    ranks: the layout spans only the world's first `ranks` ranks (default: all of them), e.g. the trainer
+        of an RL run whose rollout engines have ranks of their own (megak3/posttrain/placement.py); a rank
+        beyond them creates the same groups (new_group is collective over the world) and gets None.
+        Its `host_group` is a gloo group of those ranks.
 
     The layout is validated before any process group exists. Every rank calls dist.new_group for
     every group of every axis, in the same order, including groups it is not in (new_group is
@@ -167,7 +171,10 @@ def init_parallel(cfg: ParallelConfig, backend: Optional[str] = None,
         rank, world_size = dist.get_rank(), dist.get_world_size()
     else:
         rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    layout = cfg.validate(world_size, model_cfg).to_layout(world_size)
+    span = world_size if ranks is None else ranks
+    if not 1 <= span <= world_size:
+        raise ValueError(f"init_parallel: ranks={ranks} must lie in [1, {world_size}] (the world's size)")
+    layout = cfg.validate(span, model_cfg).to_layout(span)
     if world_size == 1 and not dist.is_initialized():
         return ParallelState(layout=layout)
     if not dist.is_initialized():
@@ -178,22 +185,29 @@ def init_parallel(cfg: ParallelConfig, backend: Optional[str] = None,
 
     fields: dict = {}
     made: dict = {}  # tuple(ranks) -> group, so identical axes share one communicator
-    coords = layout.coords(rank)
+    inside = rank < span
+    coords = layout.coords(rank) if inside else {}
     for axis, groups in _grid_groups(layout).items():
         size = len(groups[0])
-        fields[f"{axis}_size"] = size
-        fields[f"{axis}_rank"] = coords[axis.replace("_", "-")]
+        if inside:
+            fields[f"{axis}_size"] = size
+            fields[f"{axis}_rank"] = coords[axis.replace("_", "-")]
         if size == 1:
             continue
-        for ranks in groups:
-            key = tuple(ranks)
+        for members in groups:
+            key = tuple(members)
             if key not in made:
-                made[key] = dist.new_group(list(ranks), timeout=timeout)
-            if rank in ranks:
+                made[key] = dist.new_group(list(members), timeout=timeout)
+            if rank in members:
                 fields[f"{axis}_group"] = made[key]
-    fields["host_group"] = (dist.new_group(list(range(world_size)), timeout=timeout, backend="gloo")
-                            if dist.get_backend() == "nccl" else dist.group.WORLD)
-    return ParallelState(layout=layout, rank=rank, world_size=world_size, **fields)
+    if dist.get_backend() == "nccl" or span < world_size:
+        host = dist.new_group(list(range(span)), timeout=timeout, backend="gloo")
+    else:
+        host = dist.group.WORLD
+    if not inside:
+        return None
+    fields["host_group"] = host
+    return ParallelState(layout=layout, rank=rank, world_size=span, **fields)
 
 
 def destroy_parallel() -> None:

@@ -10,6 +10,7 @@ from megak3.data.tokenizer import load_tokenizer
 from megak3.inference import SamplingParams
 from megak3.optim.config import OptimConfig
 from megak3.posttrain.buffer import RolloutBuffer
+from megak3.posttrain.engines import RolloutConfig
 from megak3.data.demo_sft import build_demo_sft_dataset
 from megak3.posttrain.objective import token_logprobs
 from megak3.posttrain.rl import RLConfig, RLRunner, response_batch
@@ -180,16 +181,17 @@ def test_mopd_update_uses_the_teachers_per_token_reward(tok):
     assert runner.update(samples, torch.zeros(len(samples)))["grad_norm"] == 0
 
 
-@pytest.mark.parametrize("bound", [0, 1])
-def test_max_staleness_bounds_how_old_a_trained_token_is(tok, bound):
+@pytest.mark.parametrize("bound,lag", [(0, 0), (1, 0), (1, 1)])
+def test_max_staleness_bounds_how_old_a_trained_token_is(tok, bound, lag):
     """rl.update_groups=1 updates as soon as one group is whole; a long group (budget 24) then lags behind short
     ones (budget 2) over several updates. With rl.max_staleness=1 no trained token is more than 1 version older
-    than the policy it updates; without the bound (the control) one is."""
+    than the policy it updates; without the bound (the control) one is. At rl.rollout.lag=1 (each batch generated
+    one version ahead of its update) the bound counts the lag in: max_staleness=1 holds."""
     import itertools
 
     budgets = itertools.cycle([[24, 24], [2, 2], [2, 2], [2, 2]])
     rl = RLConfig(prompts=3, group_size=2, max_tokens=24, temperature=1.0, ignore_eos=True, update_groups=1,
-                  max_staleness=bound, iterations=5, micro_batch_size=8)
+                  max_staleness=bound, iterations=5, micro_batch_size=8, rollout=RolloutConfig(lag=lag))
     runner = RLRunner(make_job(), rl, tok, engine_options=ENGINE, budgets=lambda: next(budgets))
     worst = []
     orig = runner.update
@@ -200,7 +202,7 @@ def test_max_staleness_bounds_how_old_a_trained_token_is(tok, bound):
 
     runner.update = check
     runner.fit(log=None)
-    print(f"max_staleness={bound}: staleness of the oldest trained token per update {worst}")
+    print(f"max_staleness={bound} lag={lag}: staleness of the oldest trained token per update {worst}")
     if bound:
         assert max(worst) <= bound
     else:

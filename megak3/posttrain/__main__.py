@@ -65,11 +65,13 @@ TRAIN_FIELDS = ("run_dir", "save_interval", "keep_last", "resume")
 """the ``train.*`` fields an RL run takes (the trainer's names and meanings)"""
 
 
-def run(args, rl_over, optim_over, shuffle: bool, train_over=()) -> dict:
+def run(args, rl_over, optim_over, shuffle: bool, train_over=(), par_over=()) -> dict:
     from megak3.inference import Engine
     from megak3.optim.config import OptimConfig
+    from megak3.posttrain.placement import check_run, init_rl_parallel, trainer_ranks
     from megak3.posttrain.rl import RLConfig, RLRunner
     from megak3.job.config import JobConfig, TrainConfig
+    from parallel.config import ParallelConfig
 
     rl = RLConfig()
     for k, v in rl_over:
@@ -81,6 +83,11 @@ def run(args, rl_over, optim_over, shuffle: bool, train_over=()) -> dict:
     optim = OptimConfig(lr=3e-3, warmup_steps=0, min_lr_ratio=1.0)
     for k, v in optim_over:
         _set(optim, k, v, "optim.")
+    par = ParallelConfig()
+    for k, v in par_over:
+        _set(par, k, v, "parallel.")
+    trainer_ranks(rl, par)
+    check_run(rl, par, run_dir=dict(train_over).get("run_dir", ""))
     src = Engine.from_pretrained(args.init_from)  # after the cheap checks: a typo fails before the load
     from megak3.data.config import DataConfig
 
@@ -92,18 +99,24 @@ def run(args, rl_over, optim_over, shuffle: bool, train_over=()) -> dict:
         train.run_dir = str(Path(train.run_dir) / "control")
     job = JobConfig(model=mcfg, optim=optim, quant=src.load_info["quant"],
                     data=DataConfig(vocab_size=max(260, min(8192, mcfg.vocab_size))),  # unused by RL
-                    train=train)
-    job.validate()
+                    train=train, parallel=par)
+    check_run(rl, par, run_dir=train.run_dir)  # before the first process group
+    ps = init_rl_parallel(job, rl)  # validates the job at the trainer's rank count; torchrun: the groups
     if rl.env:
         return run_agentic(args, job, rl, src.tokenizer)
-    runner = RLRunner(job, rl, src.tokenizer, init_from=args.init_from)
+    runner = RLRunner(job, rl, src.tokenizer, ps=ps, init_from=args.init_from)
     resumed = keep(runner, job.train)
     tasks = sorted({t.name for t in runner.task_specs})
-    before = {t: accuracy(runner.engine, src.tokenizer, t, args.eval_prompts) for t in tasks}
+    judge = runner.replica == 0  # the first replica's ranks measure the accuracy (together, at its tp)
+    before = {t: accuracy(runner.engine, src.tokenizer, t, args.eval_prompts) for t in tasks} if judge else {}
     t0 = time.time()
     tag = "control" if rl.shuffle_rewards else "rl"
-    runner.fit(log=(lambda s: print(f"[{tag}] {s}", flush=True)) if args.verbose else None)
-    after = {t: accuracy(runner.engine, src.tokenizer, t, args.eval_prompts) for t in tasks}
+    lead = rank0()
+    runner.fit(log=(lambda s: print(f"[{tag}] {s}", flush=True)) if args.verbose and lead else None)
+    after = {t: accuracy(runner.engine, src.tokenizer, t, args.eval_prompts) for t in tasks} if judge else {}
+    before, after = from_judge(before, after, runner)
+    if not lead:
+        return {}
     a, b, w = first_last(runner.history, "reward", args.window)
     acc = ", ".join(f"{t} {before[t]:.3f} -> {after[t]:.3f}" for t in tasks)
     print(f"[{tag}] reward: {a:.3f} -> {b:.3f} (mean of the first/last {w} iterations); greedy accuracy on "
@@ -120,6 +133,23 @@ def run(args, rl_over, optim_over, shuffle: bool, train_over=()) -> dict:
         print(f"[{tag}] policy version {runner.version} saved in {job.train.run_dir} (megak3 checkpoint"
               f"{'; resumed at version ' + str(resumed) if resumed is not None else ''})", flush=True)
     return {"reward_first": a, "reward_last": b, "acc_before": before, "acc_after": after}
+
+
+def rank0() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def from_judge(before: dict, after: dict, runner) -> tuple:
+    """The accuracies the first engine rank measured, on rank 0 (torchrun; rank 0 trains and prints)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return before, after
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (before, after) if runner.replica == 0 and runner.engine_ps.rank == 0 else None)
+    return next(e for e in every if e is not None)
 
 
 def first_last(history, key: str, window: int):
@@ -180,21 +210,23 @@ def main(argv=None) -> int:
     ap.add_argument("--verbose", action="store_true", help="one line per iteration")
     ap.add_argument("--budgets", default="", help="with rl.env: trajectory budgets in tokens, cycled over new "
                     "groups, e.g. 10,400 (episodes of different lengths; default: rl.episode_tokens for all)")
-    ap.add_argument("overrides", nargs="*", help="rl.FIELD=VALUE, rl.loss.FIELD=VALUE, optim.FIELD=VALUE, "
+    ap.add_argument("overrides", nargs="*", help="rl.FIELD=VALUE, rl.loss.FIELD=VALUE, rl.rollout.FIELD=VALUE, "
+                    "optim.FIELD=VALUE, parallel.FIELD=VALUE (the trainer's layout under torchrun), "
                     "train.run_dir=RUN, train.save_interval=N, train.keep_last=N, train.resume=auto|none|CKPT")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        rl_over, optim_over, train_over = [], [], []
+        rl_over, optim_over, train_over, par_over = [], [], [], []
         for o in args.overrides:
-            if "=" not in o or not o.startswith(("rl.", "optim.", "train.")):
-                raise ValueError(f"{o}: overrides are rl.FIELD=VALUE, optim.FIELD=VALUE or train.FIELD=VALUE "
-                                 f"(train.{', train.'.join(TRAIN_FIELDS)})")
+            if "=" not in o or not o.startswith(("rl.", "optim.", "train.", "parallel.")):
+                raise ValueError(f"{o}: overrides are rl.FIELD=VALUE, optim.FIELD=VALUE, parallel.FIELD=VALUE or "
+                                 f"train.FIELD=VALUE (train.{', train.'.join(TRAIN_FIELDS)})")
             k, v = o.split("=", 1)
             if k.startswith("train.") and k.split(".", 1)[1] not in TRAIN_FIELDS:
                 raise ValueError(f"{k}: an RL run takes train.{', train.'.join(TRAIN_FIELDS)}")
-            {"rl": rl_over, "optim": optim_over, "train": train_over}[k.split(".", 1)[0]].append((k.split(".", 1)[1], v))
+            {"rl": rl_over, "optim": optim_over, "train": train_over,
+             "parallel": par_over}[k.split(".", 1)[0]].append((k.split(".", 1)[1], v))
         try:
             args.budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
         except ValueError:
@@ -203,11 +235,17 @@ def main(argv=None) -> int:
             raise ValueError("--budgets must be comma-separated integers >= 1, e.g. 10,400")
         if args.eval_prompts < 1:
             raise ValueError(f"--eval-prompts={args.eval_prompts} must be >= 1")
-        run(args, rl_over, optim_over, shuffle=False, train_over=train_over)
+        run(args, rl_over, optim_over, shuffle=False, train_over=train_over, par_over=par_over)
         if args.control:
-            run(args, rl_over, optim_over, shuffle=True, train_over=train_over)
-    except ValueError as e:  # InferenceError, config errors: one line
-        print(f"error: {e}", file=sys.stderr)
+            run(args, rl_over, optim_over, shuffle=True, train_over=train_over, par_over=par_over)
+    except ValueError as e:  # InferenceError, config errors: one line (under torchrun: rank 0 prints it)
+        import os
+
+        from megak3.launch.torchrun import record_user_error
+
+        if os.environ.get("RANK", "0") in ("", "0"):
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        record_user_error(f"error: {e}")
         return 2
     return 0
 

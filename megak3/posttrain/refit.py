@@ -8,7 +8,8 @@ distinct boxes of that tensor; every piece is taken from one trainer rank that h
 itself when it does (a local copy), else one of the trainer ranks holding that box (data-parallel copies
 of a box take turns across the engine ranks of a replica, so the sends spread over them). Each piece
 thus leaves a trainer rank once for every engine rank that holds it: once per replica for a sharded
-tensor, once per holding engine rank for one the engine replicates within a replica.
+tensor, once per holding engine rank for one the engine replicates within a replica. With the engines on
+ranks of their own (placement.py) no rank holds both, and every byte an engine rank holds arrives by message.
 
 A refit (:meth:`ReshardPlan.run`) sends one flat buffer per (trainer rank, engine rank) pair whose
 pieces it planned (point-to-point, fixed sizes known to both ends from the plan, cast to the engine's
@@ -102,7 +103,8 @@ class ReshardPlan:
     """Planned once per (trainer layout, engine layout); :meth:`run` moves the weights (module docstring).
     Every rank of the world constructs it (one object collective) and calls :meth:`run` together.
 
-    trainer, trainer_plan: this rank's trainer model and its ParallelPlan (None: one process).
+    trainer, trainer_plan: this rank's trainer model and its ParallelPlan (plan None: one process), or
+    (None, None) on a rank without a trainer (an engine rank of the separate placement).
     engine, engine_plan: this rank's engine model and plan, or (None, None) on a rank without an engine.
     replica: this rank's engine replica (None without one).
     """
@@ -110,8 +112,8 @@ class ReshardPlan:
     def __init__(self, trainer, trainer_plan, engine, engine_plan, replica: Optional[int], timeout_s: float = 300.0):
         self.trainer, self.engine = trainer, engine
         self.timeout = timedelta(seconds=float(timeout_s))
-        mine = (boxes_of(trainer, trainer_plan), boxes_of(engine, engine_plan) if engine is not None else None,
-                replica)
+        mine = (boxes_of(trainer, trainer_plan) if trainer is not None else None,
+                boxes_of(engine, engine_plan) if engine is not None else None, replica)
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         every = [mine] if world == 1 else [None] * world
@@ -137,7 +139,7 @@ class ReshardPlan:
         ``bytes_out`` (sent to other ranks) and ``shard_bytes``."""
         t0 = time.perf_counter()
         me = self.rank
-        src_t = self._tensors(self.trainer)
+        src_t = self._tensors(self.trainer) if self.trainer is not None else {}
         dst_t = self._tensors(self.engine) if self.engine is not None else {}
 
         def pack(d, pieces):

@@ -22,13 +22,18 @@ One iteration (:meth:`RLRunner.iteration`):
    MOPD's, each row's from the teacher of its tag (megak3/posttrain/mopd.py).
 5. The policy version goes up by one and the engine's model is refit from the trainer's in memory.
 
+With ``rl.rollout.lag=1`` the next batch (steps 1-2) is generated before the update on this one, by the
+weights this update starts from (one-step off-policy); with ``rl.rollout.placement=separate`` the engines run
+on ranks of their own and each rank does its roles' part of the iteration (megak3/posttrain/placement.py).
+
 Layouts: the trainer runs at any layout pretraining supports (megak3/posttrain/update.py): data, tensor
 with or without sequence parallelism, pipeline with every schedule (the policy loss is the last stage's head,
 every micro-batch padded to one fixed [rl.micro_batch_size, longest sample] shape), context parallelism (each
 CP rank scores its segment of every row) and expert parallelism with or without tp. The rollout engines have
 their own layout and count (``rl.rollout.*``, megak3/posttrain/engines.py: tp x ep replicas colocated on the
-trainer's ranks); the refit reshards the trainer's boxes into every engine rank's boxes in memory
-(megak3/posttrain/refit.py) and records ``refit_s`` and ``refit_bytes`` (bytes received by this rank's engine).
+trainer's ranks, or on ranks of their own); the refit reshards the trainer's boxes into every engine rank's
+boxes in memory (megak3/posttrain/refit.py) and records ``refit_s`` and ``refit_bytes`` (bytes received by this
+rank's engine).
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ from ..job.config import JobConfig
 from ..train.step import RankStep
 from .buffer import Rollout, RolloutBuffer
 from .engines import ReplicaRollouts, RolloutConfig, release_weights, replica_groups, restore_weights
+from .placement import check_run, share, sharing_group, world_of
 from .mopd import load_teachers, route
 from .objective import LossConfig, group_advantages, token_logprobs
 from .rewards import effort_override, exact_answer
@@ -165,12 +171,6 @@ class RLConfig:
         return self
 
 
-def check_layout(ps: ParallelState, job: JobConfig, rl: Optional["RLConfig"] = None) -> RolloutConfig:
-    """The rollout engines' resolved layout on the trainer's ranks (``rl.rollout.*``; raises ValueError
-    naming the field). The trainer itself runs every layout of ``parallel.*``."""
-    return (rl.rollout if rl is not None else RolloutConfig()).resolve(job.parallel, ps.world_size, job.model)
-
-
 def policy_copy(job: JobConfig, ps: ParallelState, device, dtype, parallel=None) -> tuple:
     """(model, ParallelPlan): a copy of the policy at layout ``parallel`` (default: the trainer's) on the
     process groups ``ps``, with the same quantisation, in ``dtype``, in eval mode; its weights are the
@@ -214,31 +214,46 @@ def copy_weights(src: torch.nn.Module, dst: torch.nn.Module, plan=None) -> int:
 
 
 class RLRunner:
-    """One rank of an RL run (module docstring). ``init_from``: a megak3 checkpoint/run directory or a
-    Hugging Face directory whose weights start the policy (None: the RankStep's initialisation)."""
+    """One rank of an RL run (module docstring). ``ps``: the trainer's ParallelState (None: one process; with
+    ``rl.rollout.placement=separate`` None on an engine rank: megak3.posttrain.placement.init_rl_parallel).
+    ``init_from``: a megak3 checkpoint/run directory or a Hugging Face directory whose weights start the policy
+    (None: the RankStep's initialisation). ``model``/``rs``/``ps`` are None on a rank that does not train,
+    ``engine``/``sampler`` on one that does not generate."""
 
     def __init__(self, job: JobConfig, rl: RLConfig, tokenizer, ps: Optional[ParallelState] = None,
                  device="cpu", init_from: Optional[str] = None, engine_options: Optional[dict] = None,
                  budgets: Optional[Callable[[], List[int]]] = None):
         self.job, self.rl, self.tokenizer = job, rl.validate(), tokenizer
-        self.ps = ps = ps or ParallelState.single()
-        self.rollout = check_layout(ps, job, rl)
-        # micro-batches per update vary (update.py pads them to a multiple of pp under interleaved_1f1b);
-        # pp of them is a count every schedule accepts, and each step's own is checked when it runs
-        self.rs = RankStep(job, ps, device, grad_accum=ps.pp_size)
-        self.model = self.rs.model
+        check_run(rl, job.parallel)
+        rank, world = world_of(ps, rl.rollout.placement)
+        self.rollout = rl.rollout.resolve(job.parallel, world, job.model)
+        T = self.rollout.trainer_ranks(world)  # this rank trains when it is one of the world's first T
+        if rank < T:
+            ps = ps or ParallelState.single()
+            if ps.world_size != T:
+                raise ValueError(f"rl.rollout.placement={self.rollout.placement}: the trainer's layout spans "
+                                 f"{ps.world_size} ranks but the world's {world} leave it {T}; build it with "
+                                 "megak3.posttrain.placement.init_rl_parallel")
+        self.ps = ps if rank < T else None
+        self.rs = self.model = None
+        if self.ps is not None:
+            # micro-batches per update vary (update.py pads them to a multiple of pp under interleaved_1f1b);
+            # pp of them is a count every schedule accepts, and each step's own is checked when it runs
+            self.rs = RankStep(job, ps, device, grad_accum=ps.pp_size)
+            self.model = self.rs.model
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[rl.engine_dtype]
         # the engines sample from the same (fake-)quantised model, at their own layout (engines.py)
-        self.replica, self.engine_ps = replica_groups(self.rollout, job.parallel, ps.rank, ps.world_size)
+        self.replica, self.engine_ps = replica_groups(self.rollout, job.parallel, rank, world)
+        self._share_group = sharing_group(T, job.parallel.timeout_s) if T < world else None
         self.engine, self.engine_plan = None, None
         if self.replica is not None:
             m, self.engine_plan = policy_copy(job, self.engine_ps, device, dtype, self.rollout.parallel(job.parallel))
             self.engine = Engine(m, tokenizer, **(engine_options or {}))
-        if init_from:
+        if init_from and self.model is not None:
             src = Engine.from_pretrained(init_from, device=device).model  # whole tensors (any saved layout)
             copy_weights(src, self.model, self.rs.plan)  # each rank takes its tp / ep boxes
         self.ref_model = self.ref_pipe = None
-        if rl.loss.kl_coef > 0:  # the reference policy at the trainer's layout (pipeline stages included)
+        if rl.loss.kl_coef > 0 and self.ps is not None:  # the reference policy at the trainer's layout (pp included)
             self.ref_model, ref_plan = policy_copy(job, ps, device, torch.float32)
             copy_weights(self.model, self.ref_model)
             if ps.pp_size > 1:
@@ -255,8 +270,8 @@ class RLRunner:
         self.reward_fn = (load_reward(rl.reward, tokenizer, next(prompt_stream(tokenizer, self.task_specs, rl.seed)))
                           if rl.reward else None)
         # MOPD: checked against the student (tokenizer, vocabulary, special ids) before any rollout
-        found = load_teachers(rl.mopd_teachers, tokenizer, job.model.vocab_size, device, rl.temperature,
-                              rl.mopd_timeout_s, rl.mopd_retries) if rl.mopd_teachers else []
+        found = (load_teachers(rl.mopd_teachers, tokenizer, job.model.vocab_size, device, rl.temperature,
+                               rl.mopd_timeout_s, rl.mopd_retries) if rl.mopd_teachers and self.ps is not None else [])
         self.teachers = [t.model for t in found]
         self.teacher_tags = [t.tag for t in found]
         self.teacher_routes = route([rl.env] if rl.env else [t.tag for t in self.task_specs], found,
@@ -270,11 +285,15 @@ class RLRunner:
         inner = None if self.engine is None else PartialRollouts(
             self.engine, SamplingParams(max_tokens=rl.max_tokens, temperature=rl.temperature,
                                         ignore_eos=rl.ignore_eos), seed=rl.seed)
-        E = self.rollout.size
-        self.sampler = ReplicaRollouts(inner, self.replica, self.rollout.replicas,
-                                       leader=self.engine_ps is not None and self.engine_ps.rank == 0,
-                                       sync=not (self.rollout.replicas == 1 and E == ps.world_size),
-                                       checkpoint_interval=(engine_options or {}).get("checkpoint_interval", 512))
+        E, samplers = self.rollout.size, world - self.rollout.engine_offset(world)  # ranks that generate
+        self.sampler = None if rank < self.rollout.engine_offset(world) else ReplicaRollouts(
+            inner, self.replica, self.rollout.replicas, leader=self.engine_ps is not None and self.engine_ps.rank == 0,
+            sync=not (self.rollout.replicas == 1 and E == samplers),
+            checkpoint_interval=(engine_options or {}).get("checkpoint_interval", 512),
+            group=self.engine_ps.host_group if T < world and self.engine_ps is not None else None)
+        """generation on this rank (None on a trainer rank of the separate placement)"""
+        self._trainers, self._pending = T, None
+        """the batch generated ahead (rl.rollout.lag=1) or being trained, (record, groups)"""
         self.prompts = prompt_stream(tokenizer, self.task_specs, rl.seed)
         self.prompts_used = 0
         self.state = None
@@ -288,6 +307,7 @@ class RLRunner:
         what ``resume`` names (``train.resume``: auto, none or a checkpoint). True when a state was restored."""
         from .checkpoint import RLCheckpoint
 
+        check_run(self.rl, self.job.parallel, run_dir=str(run_dir))
         self.state = RLCheckpoint(self, run_dir, save_interval, keep_last)
         self.sampler.on_finish = self.state.journal
         return self.state.restore(resume)
@@ -311,7 +331,7 @@ class RLRunner:
         it); returns the seconds it took, ``last_refit`` has the bytes."""
         t0 = time.perf_counter()
         if self._reshard is None:  # planned once from both layouts' boxes
-            self._reshard = ReshardPlan(self.model, self.rs.plan, self.engine and self.engine.model,
+            self._reshard = ReshardPlan(self.model, self.rs and self.rs.plan, self.engine and self.engine.model,
                                         self.engine_plan, self.replica, self.job.parallel.timeout_s)
         if self.engine is not None:
             restore_weights(self.engine.model)  # released during the update (rl.rollout.release)
@@ -345,7 +365,8 @@ class RLRunner:
                 self.sampler.run(buf.unfinished(), self.version, stop_after=need)
         while not buf.has_trainable() and buf.unfinished():  # something to train on
             self.sampler.run(buf.unfinished(), self.version, stop_after=1)
-        while rl.max_staleness > 0 and buf.unfinished() and buf.stale_unfinished(self.version, rl.max_staleness):
+        trains_at = self.version + self.rollout.lag  # the version whose update takes this batch
+        while rl.max_staleness > 0 and buf.unfinished() and buf.stale_unfinished(trains_at, rl.max_staleness):
             self.sampler.run(buf.unfinished(), self.version, stop_after=1)
         return {"gen_s": time.perf_counter() - t0, "paused": len(self.buffer.unfinished())}
 
@@ -363,15 +384,52 @@ class RLRunner:
                 r.reward = v
         return R
 
+    def collect(self) -> Optional[tuple]:
+        """Generate a batch (:meth:`generate`) and take its trainable groups: (record, groups); None on a
+        rank that does not generate (a trainer rank of the separate placement)."""
+        if self.sampler is None:
+            return None
+        rec = self.generate()
+        return rec, self.buffer.take_trainable()
+
+    def _share(self, produced) -> tuple:
+        """The batch on every rank: as it is when colocated, sent to the trainer ranks when separate."""
+        return produced if self._share_group is None else share(produced, self._trainers, self._share_group)
+
     def iteration(self) -> dict:
-        rec = {"iteration": self.version, **self.generate()}
-        groups = self.buffer.take_trainable()
+        """One update on a batch (its groups' rewards, advantages, update, refit), every rank's part of it for
+        its roles; with ``rl.rollout.lag=1`` the next batch is generated first (placement.py)."""
+        if self._pending is None:
+            self._pending = self._share(self.collect())
+        gen, groups = self._pending
+        ahead = self.rollout.lag > 0 and self.version + 1 < self.rl.iterations
+        nxt = self.collect() if ahead else None  # by this version's weights, before its update
+        rec = {"iteration": self.version, **gen}
         rec["groups"] = len(groups)
-        if not groups:
-            self.history.append(rec)
-            return rec
+        if groups:
+            samples = [r for g in groups for r in g]
+            sampled = [v for r in samples for v in r.versions if v >= 0]  # -1: context tokens
+            rec["staleness"] = sum(self.version - v for v in sampled) / max(len(sampled), 1)
+            if self.model is not None:
+                rec.update(self.learn(groups))
+            rec["trained"] = len(samples)
+            rec["uids"] = [r.uid for r in samples]
+        if ahead:
+            nxt = self._share(nxt)
+        self._pending = nxt
+        if groups:
+            self.version += 1
+            rec["refit_s"] = self.refit()
+            rec["refit_bytes"] = self.last_refit["bytes_in"]
+        self.history.append(rec)
+        if groups and self.state is not None:
+            self.state.after_update()
+        return rec
+
+    def learn(self, groups: List[List[Rollout]]) -> dict:
+        """Rewards, group advantages and one update on ``groups`` (a trainer rank): the update's record."""
         R = self.score(groups)
-        rec["reward"] = float(R.mean())
+        rec = {"reward": float(R.mean())}
         if len(self.task_specs) > 1:  # the mixture: the mean reward of each tag's samples
             rec.update(rewards_by_tag(groups, R))
         train_R = R
@@ -380,20 +438,9 @@ class RLRunner:
                 self.rl.seed * 7919 + self.version))]
             train_R = flat.view_as(R)
         adv = group_advantages(train_R, self.rl.loss.advantage_scale)
-        samples = [r for g in groups for r in g]
-        sampled = [v for r in samples for v in r.versions if v >= 0]  # -1: context tokens
-        rec["staleness"] = sum(self.version - v for v in sampled) / max(len(sampled), 1)
         t0 = time.perf_counter()
-        rec.update(self.update(samples, adv.flatten().float()))
+        rec.update(self.update([r for g in groups for r in g], adv.flatten().float()))
         rec["train_s"] = time.perf_counter() - t0
-        rec["trained"] = len(samples)
-        self.version += 1
-        rec["refit_s"] = self.refit()
-        rec["refit_bytes"] = self.last_refit["bytes_in"]
-        rec["uids"] = [r.uid for r in samples]
-        self.history.append(rec)
-        if self.state is not None:
-            self.state.after_update()
         return rec
 
     # ---------------------------------------------------------------------------------- update

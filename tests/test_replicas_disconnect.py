@@ -3,7 +3,7 @@ uvicorn socket: a client that hangs up mid-generation, streamed or not, one choi
 sequences aborted in the worker's engine (its aborted counter rises by the number of choices, no live
 sequence is left, every page is available again) and the router's outstanding work and the worker's
 calls go back to 0; a client that hangs up while its request has not reached an engine yet (the worker
-held with SIGSTOP) never reaches one. Afterwards the server answers as a lone engine does."""
+held with SIGSTOP) never reaches one; a cancel of a finished or unknown call is ignored. Afterwards the server answers as a lone engine does."""
 import http.client
 import json
 import os
@@ -124,7 +124,8 @@ def test_a_disconnect_mid_generation_aborts_the_workers_sequences(served):
 
 def test_a_disconnect_before_the_worker_begins_never_reaches_its_engine(served):
     """Both workers held (SIGSTOP): the call and its cancel wait in the socket, so the worker reads the
-    cancel right behind the call; the request must reach no engine and leave no call behind."""
+    cancel right behind the call; the request must reach no engine and leave no call behind. Cancels of
+    calls the workers finished long ago (or never had) change nothing."""
     port, client, run, tok = served
     _wait(lambda: _idle(client), "idle at the start")
     aborted, lookups = _total(client, "aborted_sequences"), _total(client, "lookups")
@@ -141,6 +142,9 @@ def test_a_disconnect_before_the_worker_begins_never_reaches_its_engine(served):
         for p in pids:
             os.kill(p, signal.SIGCONT)
     time.sleep(0.5)                                  # the workers read the calls and the cancels
+    for r in client.reps:                            # cancels of finished calls (ids 1-3) and of an unknown one
+        for cid in (1, 2, 3, 10 ** 9):
+            r.send({"id": cid, "op": "cancel"})
     _wait(lambda: _idle(client), "idle")
     assert _total(client, "aborted_sequences") == aborted and _total(client, "lookups") == lookups
     assert [r.pid for r in client.reps] == pids and client.replicas_up() == 2

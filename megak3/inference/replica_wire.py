@@ -10,8 +10,8 @@ server -> worker: ``{"id", "op": "generate" | "stream", "reqs": [request]}``, ``
 finite values per sequence), ``{"id", "op": "token", "t", "lp", "top"}`` per streamed token,
 ``{"id", "op": "end"}``, ``{"id", "op": "error", "kind": "inference" | "fault", "message"}``, and
 ``{"op": "load", "running", "waiting", "calls", "stats"}`` whenever its engine thread starts or ends a
-call or a call is cancelled (``calls``: the calls it holds). A ``cancel`` of a call the worker no longer
-holds (finished, or never received) is ignored.
+call and on every ``cancel`` (``calls``: the calls it holds). A ``cancel`` of a call the worker no longer
+holds (finished, or never received) changes nothing else.
 """
 from __future__ import annotations
 

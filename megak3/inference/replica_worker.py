@@ -124,7 +124,7 @@ def serve(sock: socket.socket, engine) -> None:
             t = tasks.pop(msg.get("id"), None)
             if t is not None:
                 t.cancel()
-                report()
+            report()
         elif msg.get("op") in ("generate", "stream"):
             tasks[msg["id"]] = loop.create_task(run(msg))
 

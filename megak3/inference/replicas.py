@@ -630,7 +630,7 @@ class _ReplicaCollector:
                 GaugeMetricFamily("megak3_replica_calls", "engine calls (requests) the replica's worker holds",
                                   labels=["replica"]),
                 GaugeMetricFamily("megak3_replica_cache_pages_available",
-                                  "pages a new sequence can still get on the replica (free + evictable - reserved)",
+                                  "pages a new sequence can still get on the replica (as of its last request end)",
                                   labels=["replica"])]
         for r in c.reps:
             lab = [str(r.index)]

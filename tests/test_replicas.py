@@ -209,26 +209,28 @@ def test_replicas_as_ray_actors_equal_one_engine(tmp_path):
         def total(key):
             return sum(client.replica_stats(k).get(key, 0) for k in range(2))
 
-        async def hang_up():
+        async def hang_up_stream():
             agen = client.stream(Request(prompts[0], long))
             await agen.__anext__()                                  # mid-generation
             await agen.aclose()
 
-            async def gone():
-                return sum(r.running for r in client.reps) > 0
+        async def gone():
+            return sum(r.running for r in client.reps) > 0          # admitted: the client goes away
 
+        async def hang_up_generate():
             with pytest.raises(ClientDisconnected):
                 await client.generate([Request(prompts[1], long)], disconnected=gone)
 
-        aborted = total("aborted_sequences")
-        asyncio.run(hang_up())
-        deadline = time.time() + 30
-        while not (total("aborted_sequences") == aborted + 2 and total("live_sequences") == 0
-                   and all(r.running == r.calls == 0 for r in client.reps)) and time.time() < deadline:
-            time.sleep(0.05)
-        assert total("aborted_sequences") == aborted + 2 and total("live_sequences") == 0
-        assert all(r.running == r.calls == 0 for r in client.reps) and client.router.load == [0, 0]
-        assert total("pages_available") == client.num_pages and not client.pending
+        for hang_up in (hang_up_stream, hang_up_generate):
+            aborted = total("aborted_sequences")
+            asyncio.run(hang_up())
+            deadline = time.time() + 30
+            while not (total("aborted_sequences") == aborted + 1 and total("live_sequences") == 0
+                       and all(r.running == r.calls == 0 for r in client.reps)) and time.time() < deadline:
+                time.sleep(0.05)
+            assert total("aborted_sequences") == aborted + 1 and total("live_sequences") == 0, hang_up
+            assert all(r.running == r.calls == 0 for r in client.reps) and client.router.load == [0, 0]
+            assert total("pages_available") == client.num_pages and not client.pending
     finally:
         client.close()
         if started_here:

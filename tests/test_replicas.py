@@ -173,14 +173,15 @@ def test_bad_replicas_values_are_one_line(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_replicas_as_ray_actors_equal_one_engine(tmp_path):
-    """``--ray-address local``: the same worker under a Ray actor (a local Ray instance on loopback)."""
+    """``--ray-address local``: the same worker under a Ray actor (a local Ray instance on loopback); a
+    client that goes away, streamed or not, aborts its sequence in the actor's worker."""
     ray = pytest.importorskip("ray")
     import asyncio
 
-    from megak3.inference.engine_client import Request
+    from megak3.inference.engine_client import ClientDisconnected, Request
     from megak3.inference.replicas import ReplicaClient
 
-    run, model, tok = make_tiny_run(tmp_path / "run")
+    run, model, tok = make_tiny_run(tmp_path / "run", max_seq_len=2048)   # room for a long generation
     engine = Engine.from_pretrained(str(run))
     started_here = not ray.is_initialized()
     client = ReplicaClient(str(run), 2, ray_address="local", checkpoint_interval=INTERVAL)
@@ -202,6 +203,34 @@ def test_replicas_as_ray_actors_equal_one_engine(tmp_path):
                 lp = torch.log_softmax(model(torch.tensor([s[:-1]])).logits[0].float() / 0.7, -1)
             want = lp.gather(-1, torch.tensor(s[1:])[:, None])[:, 0]
             assert len(got) == len(s) - 1 and (torch.tensor(got) - want).abs().max() <= 1e-5
+        # disconnects (what the server does when its client hangs up; HTTP: tests/test_replicas_disconnect.py)
+        long = SamplingParams(max_tokens=2000, ignore_eos=True)
+
+        def total(key):
+            return sum(client.replica_stats(k).get(key, 0) for k in range(2))
+
+        async def hang_up_stream():
+            agen = client.stream(Request(prompts[0], long))
+            await agen.__anext__()                                  # mid-generation
+            await agen.aclose()
+
+        async def gone():
+            return sum(r.running for r in client.reps) > 0          # admitted: the client goes away
+
+        async def hang_up_generate():
+            with pytest.raises(ClientDisconnected):
+                await client.generate([Request(prompts[1], long)], disconnected=gone)
+
+        for hang_up in (hang_up_stream, hang_up_generate):
+            aborted = total("aborted_sequences")
+            asyncio.run(hang_up())
+            deadline = time.time() + 30
+            while not (total("aborted_sequences") == aborted + 1 and total("live_sequences") == 0
+                       and all(r.running == r.calls == 0 for r in client.reps)) and time.time() < deadline:
+                time.sleep(0.05)
+            assert total("aborted_sequences") == aborted + 1 and total("live_sequences") == 0, hang_up
+            assert all(r.running == r.calls == 0 for r in client.reps) and client.router.load == [0, 0]
+            assert total("pages_available") == client.num_pages and not client.pending
     finally:
         client.close()
         if started_here:

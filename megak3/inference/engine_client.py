@@ -104,9 +104,10 @@ class EngineClient:
     def __init__(self, engine, metrics=None):
         self.engine, self.metrics = engine, metrics
         self.q: "queue.Queue[Optional[_Job]]" = queue.Queue()
-        self._stats = dict(engine.cache_stats())   # written by the engine thread only, read by /metrics
         self._jobs: List[_Job] = []                # begun, unfinished (engine thread only)
         self.steps = 0                             # engine.step calls made (engine thread)
+        self.aborted = 0                           # sequences taken out unfinished (engine thread)
+        self._snapshot(ended=True)                 # written by the engine thread only, read by /metrics
         self.thread = threading.Thread(target=self._loop, name="megak3-engine", daemon=True)
         self.thread.start()
 
@@ -251,15 +252,16 @@ class EngineClient:
         self._jobs.remove(job)
         for h in job.handles:
             if abort:
+                self.aborted += h.finish is None
                 self.engine.abort(h)
             else:
                 self.engine.release(h)
+        self._snapshot(ended=True)   # before the counts below: a replica worker reports both when they change
         if self.metrics:
             began = len(job.started)
             self.metrics.running.dec(began)
             self.metrics.waiting.dec(len(job.reqs) - began)
         if abort:
-            self._snapshot()
             return
         if job.stream:
             self._deliver(job, [None])
@@ -291,11 +293,17 @@ class EngineClient:
 
     def cache_stats(self) -> Dict[str, float]:
         """The engine's cache counters (``Engine.cache_stats``) as the engine thread last saw them:
-        after every engine step and abort (the engine is never touched from the HTTP side)."""
+        after every engine step and every job's end (the engine is never touched from the HTTP side),
+        plus ``live_sequences`` (begun, unfinished, unreleased), ``aborted_sequences`` (taken out
+        unfinished since start: disconnects and failures) and ``pages_available`` (pages a new sequence
+        can still get: free + evictable cached - reserved; the whole pool when nothing runs), the last
+        as of the last job's end (counting the evictable pages walks the cache's LRU: not every step)."""
         return self._stats
 
-    def _snapshot(self) -> None:
-        self._stats = dict(self.engine.cache_stats())
+    def _snapshot(self, ended: bool = False) -> None:
+        avail = self.engine.cache.available() if ended else self._stats["pages_available"]
+        self._stats = {**self.engine.cache_stats(), "live_sequences": len(self.engine.live()),
+                       "pages_available": avail, "aborted_sequences": self.aborted}
 
     @property
     def tokenizer(self):

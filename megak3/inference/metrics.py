@@ -22,8 +22,10 @@ With engine replicas (megak3/inference/replicas.py) the cache series are the rep
 (``megak3_cache_pages_peak``: the sum of their peaks), and each replica has, labelled
 ``replica="k"``: ``megak3_replica_up``, ``megak3_replica_requests_running``,
 ``megak3_replica_requests_waiting``, ``megak3_replica_prefix_cache_hit_tokens_total`` (its engine's),
-``megak3_replica_routed_prefix_hit_tokens_total`` (what the router expected it to restore) and
-``megak3_replica_restarts_total``.
+``megak3_replica_routed_prefix_hit_tokens_total`` (what the router expected it to restore),
+``megak3_replica_restarts_total``, ``megak3_replica_calls`` (requests its worker holds) and
+``megak3_replica_cache_pages_available`` (pages a new sequence can still get there, as of its engine's
+last request end).
 """
 from __future__ import annotations
 

@@ -9,7 +9,9 @@ server -> worker: ``{"id", "op": "generate" | "stream", "reqs": [request]}``, ``
 "result", "results": [result]}``, ``{"id", "op": "scores", "logprobs": [[float]]}`` (``len(seq) - 1``
 finite values per sequence), ``{"id", "op": "token", "t", "lp", "top"}`` per streamed token,
 ``{"id", "op": "end"}``, ``{"id", "op": "error", "kind": "inference" | "fault", "message"}``, and
-``{"op": "load", "running", "waiting", "stats"}`` whenever its engine thread starts or ends a call.
+``{"op": "load", "running", "waiting", "calls", "stats"}`` whenever its engine thread starts or ends a
+call and on every ``cancel`` (``calls``: the calls it holds). A ``cancel`` of a call the worker no longer
+holds (finished, or never received) changes nothing else.
 """
 from __future__ import annotations
 

@@ -63,16 +63,17 @@ def serve(sock: socket.socket, engine) -> None:
             send(sock, msg)
 
     client = EngineClient(engine)
+    tasks = {}      # call id -> its asyncio task (the loop thread's; the engine thread reads its size)
 
     def report():   # called by the engine thread and the loop thread: a snapshot, sent as is
         try:
-            put({"op": "load", "running": load.running.v, "waiting": load.waiting.v, "stats": client.cache_stats()})
+            put({"op": "load", "running": load.running.v, "waiting": load.waiting.v, "calls": len(tasks),
+                 "stats": client.cache_stats()})
         except OSError:
             pass
 
     load = _Load(report)
     client.metrics = load
-    tasks = {}
     put({"op": "hello", "pid": os.getpid(), "max_context": engine.max_context,
          "num_pages": engine.cache.cfg.num_pages, "page_size": engine.cache.cfg.page_size,
          "checkpoint_interval": engine.cache.cfg.checkpoint_interval, "stats": client.cache_stats()})
@@ -118,9 +119,12 @@ def serve(sock: socket.socket, engine) -> None:
         if msg.get("op") == "score":
             tasks[msg["id"]] = loop.create_task(score(msg))
         elif msg.get("op") == "cancel":
-            t = tasks.get(msg.get("id"))
+            # popped here: a task cancelled before its first step never runs its body (nor its finally),
+            # so a cancel that arrives right behind its call leaves nothing behind and reaches no engine
+            t = tasks.pop(msg.get("id"), None)
             if t is not None:
                 t.cancel()
+            report()
         elif msg.get("op") in ("generate", "stream"):
             tasks[msg["id"]] = loop.create_task(run(msg))
 

@@ -215,7 +215,7 @@ class _Replica:
         self.index, self.argv, self.start_timeout, self.ray = index, argv, start_timeout, ray
         self.lock = threading.Lock()       # one frame at a time on the link; swaps on restart
         self.up, self.restarts = False, 0
-        self.running = self.waiting = 0
+        self.running = self.waiting = self.calls = 0
         self.stats: Dict[str, float] = {}
         self.hello: Dict[str, Any] = {}
         self.link = None
@@ -536,7 +536,7 @@ class ReplicaClient:
     def _handle(self, rep: _Replica, msg: dict) -> None:
         op = msg.get("op")
         if op == "load":
-            rep.running, rep.waiting = int(msg["running"]), int(msg["waiting"])
+            rep.running, rep.waiting, rep.calls = int(msg["running"]), int(msg["waiting"]), int(msg.get("calls", 0))
             rep.stats = dict(msg.get("stats") or {})
             if self.metrics:
                 self.metrics.running.set(sum(r.running for r in self.reps))
@@ -576,7 +576,7 @@ class ReplicaClient:
         rc = rep.link.wait(10)
         with self.rlock:
             self.router.set_up(k, False)
-        rep.running = rep.waiting = 0
+        rep.running = rep.waiting = rep.calls = 0
         err = ReplicaDied(f"engine replica {k} exited (status {rc}) while running this request; it is restarted")
         for cid, call in list(self.pending.items()):
             if call.replica == k:
@@ -626,7 +626,12 @@ class _ReplicaCollector:
                                     "prompt tokens the replica's engine served from its prefix cache",
                                     labels=["replica"]),
                 CounterMetricFamily("megak3_replica_restarts", "times the replica's worker was restarted",
-                                    labels=["replica"])]
+                                    labels=["replica"]),
+                GaugeMetricFamily("megak3_replica_calls", "engine calls (requests) the replica's worker holds",
+                                  labels=["replica"]),
+                GaugeMetricFamily("megak3_replica_cache_pages_available",
+                                  "pages a new sequence can still get on the replica (as of its last request end)",
+                                  labels=["replica"])]
         for r in c.reps:
             lab = [str(r.index)]
             fams[0].add_metric(lab, float(r.up))
@@ -635,6 +640,8 @@ class _ReplicaCollector:
             fams[3].add_metric(lab, c.router.stats.per_replica_reused[r.index])
             fams[4].add_metric(lab, r.stats.get("hit_tokens", 0))
             fams[5].add_metric(lab, r.restarts)
+            fams[6].add_metric(lab, r.calls)
+            fams[7].add_metric(lab, r.stats.get("pages_available", 0))
         yield from fams
 
     def describe(self):

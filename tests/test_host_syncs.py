@@ -15,6 +15,17 @@ return the same tensor) returns a fresh tensor that counts as device data, so th
 ``RankStep.to_device`` is spied on as it is (issue 24: the earlier "clone = move" emulation kept
 moved labels host and missed ``token_loss_sum``'s ``int(count)`` on every micro-batch).
 
+Blocking host-to-device copies are counted too (``H2D ...`` events): on CUDA ``.to(device)`` of a
+pageable host tensor, ``torch.tensor(data, device=)`` / ``torch.as_tensor(host, device=)`` and
+``device_tensor.copy_(host_tensor)`` return only once the bytes are copied, so the host stops
+running ahead of the GPU. A copy of a host tensor or constant to the training device (a
+``torch.device``, or a device string other than 'cpu') is flagged unless it is made by the one
+helper :mod:`megak3.ops.h2d` (pinned staging, one ``non_blocking`` copy per call; on this machine it
+returns ``t.to(device)``, which the spy turns into device data as above). ``torch.tensor(data)``
+without a device makes a host constant; a factory (``torch.zeros``, ``arange``, ``full``, ...) with a
+training-device ``device=`` fills on the device (device data, never a copy source), one without
+makes a host constant.
+
 Counted on the code before issue 19 (commit ce1127a, k3 parity model, fp32, this spy): one MoE
 layer fwd+bwd 4 (1 ``bincount`` in permute, 3 ``.tolist()`` in the per-expert loop); a MoonEP layer
 at ep=2 6 (plan ``.tolist()``, 2 ``bincount``, 3 loop ``.tolist()``); a non-logging step 34 outside
@@ -25,6 +36,7 @@ optimizer's ``bool(any)`` and boolean-mask norm), plus the NaN-skip flag read by
 """
 from __future__ import annotations
 
+import sys
 import traceback
 from dataclasses import replace
 
@@ -54,6 +66,32 @@ def _where() -> str:
     return "?"
 
 
+H2D_HELPER = "/megak3/ops/h2d.py"
+"""the one module allowed to copy host tensors to the device (pinned staging, non_blocking)"""
+
+
+def _helper_frame():
+    """The H2D helper's frame when it is the first caller outside torch and this file, else None."""
+    f = sys._getframe(1)
+    while f is not None and ("/torch/" in f.f_code.co_filename or "test_host_syncs" in f.f_code.co_filename):
+        f = f.f_back
+    return f if f is not None and f.f_code.co_filename.endswith(H2D_HELPER) else None
+
+
+def _from_helper() -> bool:
+    return _helper_frame() is not None
+
+
+def _is_device(dev) -> bool:
+    """``dev`` names the training device: a torch.device (on this machine that is the CPU, so a
+    literal 'cpu' string is how code asks for the host) or any other device string ('cuda')."""
+    return isinstance(dev, torch.device) or (isinstance(dev, str) and not dev.startswith("cpu"))
+
+
+_FACTORIES = ("empty", "zeros", "ones", "full", "arange", "eye", "linspace", "rand", "randn", "randint",
+              "randperm", "empty_strided", "scalar_tensor")
+
+
 class HostSyncSpy(TorchDispatchMode):
     """Counts would-be host syncs; ``events`` lists (what, where) for the failure message."""
 
@@ -61,7 +99,18 @@ class HostSyncSpy(TorchDispatchMode):
         super().__init__()
         self.host = WeakTensorKeyDictionary()
         self.events: list[tuple[str, str]] = []
+        self.copies: list[list] = []    # [tensors, caller] per call of the H2D helper (one copy each)
+        self._helper_call = None        # the helper frame of the last copy (a call = one frame)
         self._patched = []
+
+    def _helper_move(self, frame) -> None:
+        if frame is not self._helper_call:
+            f = frame
+            while f is not None and f.f_code.co_filename.endswith((H2D_HELPER, "/megak3/model/seqinfo.py")):
+                f = f.f_back
+            self.copies.append([0, "?" if f is None else f"{f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno}"])
+            self._helper_call = frame
+        self.copies[-1][0] += 1
 
     def mark_host(self, *tensors) -> None:
         for t in tensors:
@@ -88,6 +137,9 @@ class HostSyncSpy(TorchDispatchMode):
             elif func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default) and any(
                     isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in flat[1:]):
                 self._flag(f"{func} with a boolean mask")
+            elif (func is aten.copy_.default and kinds[0] == "device" and kinds[1] in ("host", "constant")
+                  and not _from_helper()):
+                self._flag("H2D copy_ from a host tensor")
         out = func(*args, **kwargs)
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         if host:
@@ -121,23 +173,74 @@ class HostSyncSpy(TorchDispatchMode):
                 if not spy._is_host(self):
                     spy._flag("Tensor.to('cpu')")
                 return orig_to(self, *a, **k)
-            out = orig_to(self, *a, **k)
-            if isinstance(dev, torch.device) and spy.host.get(self) in ("host", "constant"):  # moved to the device
+            if _is_device(dev) and spy.host.get(self) in ("host", "constant"):  # moved to the device
+                helper = _helper_frame()
+                if helper is None:
+                    spy._flag("H2D Tensor.to(device)")
+                else:
+                    spy._helper_move(helper)
+                out = orig_to(self, *a, **k)
                 if out is self:
                     out = self.clone()
                 spy.host.pop(out, None)
-            return out
+                return out
+            return orig_to(self, *a, **k)
+
+        def make(name, orig):
+            def factory(data, *a, **k):  # torch.tensor / torch.as_tensor(data, dtype=None, device=None)
+                dev = k.get("device", a[1] if len(a) > 1 else None)
+                if not _is_device(dev):
+                    out = orig(data, *a, **k)
+                    if not isinstance(data, torch.Tensor):
+                        spy.host[out] = "constant"  # made on the host from Python data
+                    return out
+                if (not isinstance(data, torch.Tensor) or spy.host.get(data) in ("host", "constant")) \
+                        and not _from_helper():
+                    spy._flag(f"H2D torch.{name}(device=)")
+                out = orig(data, *a, **k)
+                if out is data:
+                    out = data.clone()
+                spy.host.pop(out, None)
+                return out
+            return factory
+
+        def factory(orig):
+            def made(*a, **k):  # a factory's device kwarg says where it fills (the dispatcher sees 'cpu')
+                out = orig(*a, **k)
+                if _is_device(k.get("device")) and isinstance(out, torch.Tensor):
+                    spy.host.pop(out, None)  # filled on the device: device data, not a host constant
+                return out
+            return made
 
         patch("tolist")
         patch("numpy")
         patch("cpu")
+        for name in _FACTORIES:
+            orig = getattr(torch, name)
+            setattr(torch, name, factory(orig))
+            self._patched.append((f"torch.{name}", orig))
+        orig_cuda = torch.Tensor.cuda
+
+        def cuda(self, *a, **k):
+            if spy.host.get(self) in ("host", "constant") and not _from_helper():
+                spy._flag("H2D Tensor.cuda()")
+            return orig_cuda(self, *a, **k)
+        torch.Tensor.cuda = cuda
+        self._patched.append(("cuda", orig_cuda))
         torch.Tensor.to = to
         self._patched.append(("to", orig_to))
+        for name in ("tensor", "as_tensor"):
+            orig = getattr(torch, name)
+            setattr(torch, name, make(name, orig))
+            self._patched.append((f"torch.{name}", orig))
         return super().__enter__()
 
     def __exit__(self, *exc):
         for name, orig in reversed(self._patched):
-            setattr(torch.Tensor, name, orig)
+            if name.startswith("torch."):
+                setattr(torch, name[len("torch."):], orig)
+            else:
+                setattr(torch.Tensor, name, orig)
         self._patched.clear()
         return super().__exit__(*exc)
 
@@ -239,9 +342,10 @@ def _old_token_loss_sum(logits_BTV, labels_BT):
     return loss, n
 
 
-def _step_events(rank=0, world=1, layout=None, loss_fn=None):
+def _step_events(rank=0, world=1, layout=None, loss_fn=None, with_copies=False):
     """Events of one non-logging production step (the second; the first warms lazy state up) on
-    this rank. layout: parity_job keyword arguments (tp, sp, cp, ep; dp fills the world)."""
+    this rank. layout: parity_job keyword arguments (tp, sp, cp, ep; dp fills the world).
+    with_copies: return (events, the H2D helper's copies: [tensors moved, caller] per call)."""
     from megak3.train.step import RankStep
     from parallel.testing import global_batch, local_rows
     from megak3.train.parity import parity_job
@@ -269,7 +373,7 @@ def _step_events(rank=0, world=1, layout=None, loss_fn=None):
     with spy:
         out = step(1)
     assert not bool(out["skipped"])
-    return spy.events
+    return (spy.events, spy.copies) if with_copies else spy.events
 
 
 def _at(loc: str, site: str) -> bool:

@@ -268,6 +268,38 @@ def test_spy_flags_known_syncs_and_spares_host_tensors():
     assert len(kinds) == 7, spy.report()
 
 
+def test_spy_flags_blocking_host_to_device_copies_outside_the_helper():
+    """The H2D rule: every way of copying a host tensor or Python data to the training device is
+    flagged, except through megak3.ops.h2d (whose results are device data); fills on the device,
+    dtype casts and host math are not copies."""
+    from megak3.ops.h2d import host_to_device
+
+    dev = torch.device("cpu")      # the training device on this machine
+    h = torch.arange(6)
+    with HostSyncSpy() as spy:
+        spy.mark_host(h)
+        d = h.to(dev)                                            # 1
+        h.to(device=dev, dtype=torch.float32)                    # 2
+        torch.tensor([1, 2], device=dev)                         # 3
+        torch.as_tensor(h, device=dev)                           # 4
+        torch.zeros(6, dtype=torch.long).to(dev)                 # 5: a host-made constant, moved
+        torch.tensor([3.0]).to(dev)                              # 6
+        (d * 1).copy_(h)                                         # 7: device tensor <- host tensor
+        n = len(spy.events)
+        moved, none = host_to_device([h, None], dev)             # the helper: not flagged
+        z = torch.zeros(3, device=dev)                           # a fill on the device, no copy
+        z.to(dev), d.to(dev), h.to(torch.int32), h.to("cpu")     # no-ops, a cast, the host itself
+        (h + 1).sum()
+        assert len(spy.events) == n and none is None
+        moved.sum().item()                                       # helper output is device data: a sync
+    assert torch.equal(moved, h)
+    kinds = [w for w, _ in spy.events]
+    assert kinds == ["H2D Tensor.to(device)"] * 2 + ["H2D torch.tensor(device=)", "H2D torch.as_tensor(device=)"] \
+        + ["H2D Tensor.to(device)"] * 2 + ["H2D copy_ from a host tensor", "aten._local_scalar_dense.default"], \
+        spy.report()
+    assert spy.copies == [[1, spy.copies[0][1]]], spy.copies   # one helper call, one tensor moved
+
+
 # ---- one MoE layer ------------------------------------------------------------------------------
 
 def _moe():
@@ -388,9 +420,27 @@ def _not_elsewhere(events, allowed=ELSEWHERE):
 
 
 def test_training_step_has_no_host_sync():
-    """Includes the non-finite skip: decided on the device (``found_inf``), never read on the host."""
-    mine = _not_elsewhere(_step_events())
+    """Includes the non-finite skip: decided on the device (``found_inf``), never read on the host.
+    Host-to-device: two copies through megak3.ops.h2d, none outside it: the micro-batch (ids,
+    labels) with the step's counts, and the SeqInfo's three index tensors."""
+    events, copies = _step_events(with_copies=True)
+    mine = _not_elsewhere(events)
     assert mine == [], "\n".join(f"{w}: {loc}" for w, loc in mine)
+    assert [(n, loc.split(":")[0]) for n, loc in copies] == [(3, "step.py"), (3, "k3.py")], copies
+
+
+def test_spy_sees_a_blocking_copy_planted_in_the_step(monkeypatch):
+    """Negative control of the H2D rule over a whole step: the step's batch moved by a plain
+    ``.to(device, non_blocking=True)`` from pageable memory (what RankStep.to_device did before) is
+    flagged at train/step.py, once per tensor (ids, labels, the counts)."""
+    import megak3.train.step as step_mod
+
+    monkeypatch.setattr(step_mod, "host_to_device", lambda ts, dev: [t.to(dev, non_blocking=True) for t in ts])
+    events, copies = _step_events(with_copies=True)
+    mine = _not_elsewhere(events)
+    assert [w for w, _ in mine] == ["H2D Tensor.to(device)"] * 3, mine
+    assert all(loc.startswith("train/step.py") for _, loc in mine), mine
+    assert [loc.split(":")[0] for _, loc in copies] == ["k3.py"], copies
 
 
 def test_spy_sees_moved_labels_as_device_data():
@@ -443,48 +493,63 @@ PER_LAYER_READS = {
     "parallel/moe_stats.py": "the exact Quantile-Balancing merge reads the gathered token counts, once per MoE layer "
                              "and step (documented there; model.moe.qb_method=histogram has none)",
 }
-# Host syncs the spy finds that are NOT fixed yet: site -> (most events per step, reason). Empty
-# since issue 37: ZeRO-1 decides which params have a gradient from static information (plus a
-# device-side mask for the model's batch-dependent params, parallel/data_parallel/grads.py), and
-# the CP conv halo's document starts are index math on the loader's host offsets
-# (parallel/context_parallel.py ContextParallel.shard, parallel/kda_cp.py conv_halo_seq_info).
+# Host syncs and blocking host-to-device copies the spy finds that are NOT fixed yet: site -> (most
+# events per step, reason). Empty since issue 37: ZeRO-1 decides which params have a gradient from
+# static information (plus a device-side mask for the model's batch-dependent params,
+# parallel/data_parallel/grads.py), and the CP conv halo's document starts are index math on the
+# loader's host offsets (parallel/context_parallel.py ContextParallel.shard, parallel/kda_cp.py
+# conv_halo_seq_info). Every host-to-device copy of the step goes through megak3.ops.h2d (the
+# micro-batch with the step's counts in train/step.py, SeqInfo.moved for the model's and CP's index
+# tensors; kda_cp finds each row's last document on the device).
 OPEN: dict = {}
 LAYOUTS = {"tp2+sp": {"tp": 2, "sp": True}, "dp2 ZeRO-1": {}, "ep2 MoonEP": {"ep": 2}, "cp2": {"cp": 2},
            "pp2": {"pp": 2}}
 
 
 def _planted_item(loss_fn):
-    """``loss_fn`` plus a host read of its loss (the negative control of the layout runs; the spy
-    names the model's loss line, the first frame outside this file)."""
+    """``loss_fn`` plus a host read of its loss and a blocking host-to-device copy (the negative
+    controls of the layout runs; the spy names the model's loss line, the first frame outside this
+    file)."""
     def planted(logits, labels):
         out = loss_fn(logits, labels)
         out[0].item()
+        torch.tensor([1.0]).to(logits.device)
         return out
     return planted
 
 
 def _layout_events(rank, world):
-    out = {name: _step_events(rank, world, layout) for name, layout in LAYOUTS.items()}
+    out = {name: _step_events(rank, world, layout, with_copies=True) for name, layout in LAYOUTS.items()}
     from megak3.model.k3 import token_loss_sum
     out["planted"] = _step_events(rank, world, {}, loss_fn=_planted_item(token_loss_sum))
     return out
 
 
+# Host-to-device copies per step (all through megak3.ops.h2d): (tensors moved, file of the caller).
+# The micro-batch with the step's counts; then the SeqInfo (k3.py), or under CP the local SeqInfo,
+# the key document ids, the local offsets and the conv halo's offsets and positions in one copy.
+COPIES = {"cp2": [(3, "step.py"), (7, "context_parallel.py")]}
+COPIES_DEFAULT = [(3, "step.py"), (3, "k3.py")]
+
+
 def test_parallel_steps_have_no_host_sync():
     """tp2 + sequence parallel, dp2 with ZeRO-1, ep2 with MoonEP, cp2 (balanced MLA, the default),
-    pp2 (gloo, 2 ranks): 0 host syncs in a non-logging step outside the CPU twins' sites
-    (ELSEWHERE) and the per-layer reads above; a planted ``.item()`` in the dp2 step is seen."""
+    pp2 (gloo, 2 ranks): 0 host syncs and 0 blocking host-to-device copies in a non-logging step
+    outside the CPU twins' sites (ELSEWHERE) and the per-layer reads above; the step's copies are
+    the two of COPIES, through megak3.ops.h2d; a planted ``.item()`` and a planted ``.to(device)``
+    in the dp2 step are seen."""
     from parallel.testing import run_distributed
 
     cfg = load_model_config("k3_tiny", **PARITY_MODEL)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     for rank, by_layout in enumerate(run_distributed(_layout_events, 2, timeout_s=400)):
         # negative control: the same dp2 step with a planted .item() on the loss is seen, where it is
-        planted = by_layout.pop("planted")
-        assert [w for w, loc in _not_elsewhere(planted, {**ELSEWHERE, **PER_LAYER_READS})] == \
-            ["aten._local_scalar_dense.default"], planted
-        assert _not_elsewhere(planted, {**ELSEWHERE, **PER_LAYER_READS})[0][1].startswith("model/k3.py"), planted
-        for name, events in by_layout.items():
+        planted = _not_elsewhere(by_layout.pop("planted"), {**ELSEWHERE, **PER_LAYER_READS})
+        assert [w for w, loc in planted] == ["aten._local_scalar_dense.default", "H2D Tensor.to(device)"], planted
+        assert all(loc.startswith("model/k3.py") for _, loc in planted), planted
+        for name, (events, copies) in by_layout.items():
+            assert [(n, loc.split(":")[0]) for n, loc in copies] == COPIES.get(name, COPIES_DEFAULT), \
+                (name, rank, copies)
             mine = _not_elsewhere(events, {**ELSEWHERE, **PER_LAYER_READS, **OPEN})
             assert mine == [], f"{name}, rank {rank}:\n" + "\n".join(f"{w}: {loc}" for w, loc in mine)
             for site, most in [(k, n_moe) for k in PER_LAYER_READS] + [(k, v[0]) for k, v in OPEN.items()]:

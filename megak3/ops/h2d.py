@@ -1,10 +1,12 @@
 """Host-to-device copies that never block the host: the one home for a training step's H2D traffic.
 
-On CUDA ``t.to(device)`` of a pageable (ordinary) host tensor is synchronous with respect to the
-host: the driver stages the bytes through its own pinned buffer and returns only when they are
-copied, so the host stops running ahead of the GPU once per call. ``non_blocking=True`` does not
-help from pageable memory. From *pinned* (page-locked) memory with ``non_blocking=True`` the copy is
-a DMA queued on the current stream and the call returns at once.
+On CUDA ``t.to(device)`` (and ``torch.tensor(data, device=)``) of a pageable (ordinary) host
+tensor blocks the host: torch synchronizes the stream after the copy, so the host waits for every
+kernel queued before it and stops running ahead of the GPU. With ``non_blocking=True`` from pageable
+memory the driver must first stage the bytes into pinned memory itself and "may synchronize with
+the stream" to do so (CUDA runtime API, API synchronization behavior). From *pinned* (page-locked)
+memory with ``non_blocking=True`` the copy is a DMA queued on the current stream and the call
+returns at once.
 
 :func:`host_to_device` moves a list of host tensors in ONE such copy:
 

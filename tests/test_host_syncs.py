@@ -12,13 +12,15 @@ is not a device sync). Everything else is treated as living on the device; an op
 only is flagged (conservative). A tensor is host only if it was made on the host and never moved:
 ``.to(<torch.device>)`` of a host tensor or constant (the training device; on this machine it would
 return the same tensor) returns a fresh tensor that counts as device data, so the production
-``RankStep.to_device`` is spied on as it is (issue 24: the earlier "clone = move" emulation kept
+move (``megak3.ops.h2d.host_to_device``, called by ``RankStep.to_device`` and the step's
+``batches_to_device``) is spied on as it is (issue 24: the earlier "clone = move" emulation kept
 moved labels host and missed ``token_loss_sum``'s ``int(count)`` on every micro-batch).
 
 Blocking host-to-device copies are counted too (``H2D ...`` events): on CUDA ``.to(device)`` of a
 pageable host tensor, ``torch.tensor(data, device=)`` / ``torch.as_tensor(host, device=)`` and
-``device_tensor.copy_(host_tensor)`` return only once the bytes are copied, so the host stops
-running ahead of the GPU. A copy of a host tensor or constant to the training device (a
+``device_tensor.copy_(host_tensor)`` wait for the stream (torch synchronizes after a blocking copy;
+the driver may, to stage pageable memory, under ``non_blocking``), so the host stops running ahead
+of the GPU. A copy of a host tensor or constant to the training device (a
 ``torch.device``, or a device string other than 'cpu') is flagged unless it is made by the one
 helper :mod:`megak3.ops.h2d` (pinned staging, one ``non_blocking`` copy per call; on this machine it
 returns ``t.to(device)``, which the spy turns into device data as above). ``torch.tensor(data)``

@@ -83,8 +83,12 @@ def in_flight() -> int:
         return len(_in_flight)
 
 
-def _release_finished() -> None:
-    _in_flight[:] = [(b, ev) for b, ev in _in_flight if not ev.query()]
+def _track(buf: torch.Tensor, event) -> None:
+    """Keep ``buf`` alive until ``event`` (recorded after its copy) completes; release the
+    buffers whose copies have completed (``query()``: never waits)."""
+    with _lock:
+        _in_flight[:] = [(b, ev) for b, ev in _in_flight if not ev.query()]
+        _in_flight.append((buf, event))
 
 
 def host_to_device(tensors: Sequence[Optional[torch.Tensor]], device) -> List[Optional[torch.Tensor]]:
@@ -109,9 +113,7 @@ def host_to_device(tensors: Sequence[Optional[torch.Tensor]], device) -> List[Op
     dev_buf = buf.to(device, non_blocking=True)
     ev = torch.cuda.Event()
     ev.record(torch.cuda.current_stream(device))
-    with _lock:
-        _release_finished()
-        _in_flight.append((buf, ev))
+    _track(buf, ev)
     for i, t in zip(idx, unpack(dev_buf, slots)):
         out[i] = t
     return out

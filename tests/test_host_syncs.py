@@ -188,8 +188,8 @@ class HostSyncSpy(TorchDispatchMode):
                 return out
             return orig_to(self, *a, **k)
 
-        def make(name, orig):
-            def factory(data, *a, **k):  # torch.tensor / torch.as_tensor(data, dtype=None, device=None)
+        def from_data(name, orig):
+            def wrapped(data, *a, **k):  # torch.tensor / torch.as_tensor(data, dtype=None, device=None)
                 dev = k.get("device", a[1] if len(a) > 1 else None)
                 if not _is_device(dev):
                     out = orig(data, *a, **k)
@@ -204,9 +204,9 @@ class HostSyncSpy(TorchDispatchMode):
                     out = data.clone()
                 spy.host.pop(out, None)
                 return out
-            return factory
+            return wrapped
 
-        def factory(orig):
+        def filled(orig):
             def made(*a, **k):  # a factory's device kwarg says where it fills (the dispatcher sees 'cpu')
                 out = orig(*a, **k)
                 if _is_device(k.get("device")) and isinstance(out, torch.Tensor):
@@ -219,7 +219,7 @@ class HostSyncSpy(TorchDispatchMode):
         patch("cpu")
         for name in _FACTORIES:
             orig = getattr(torch, name)
-            setattr(torch, name, factory(orig))
+            setattr(torch, name, filled(orig))
             self._patched.append((f"torch.{name}", orig))
         orig_cuda = torch.Tensor.cuda
 
@@ -233,7 +233,7 @@ class HostSyncSpy(TorchDispatchMode):
         self._patched.append(("to", orig_to))
         for name in ("tensor", "as_tensor"):
             orig = getattr(torch, name)
-            setattr(torch, name, make(name, orig))
+            setattr(torch, name, from_data(name, orig))
             self._patched.append((f"torch.{name}", orig))
         return super().__enter__()
 

@@ -337,8 +337,12 @@ class CPShard:
 class ContextParallel:
     """The model's ``context_parallel`` hook: cuts whole rows into this rank's segment."""
 
-    def __init__(self, group, size: int, rank: int, balance: bool = False, split: int = 2):
+    def __init__(self, group, size: int, rank: int, balance: bool = False, split: int = 2, conv_kernel: int = 0):
+        """``conv_kernel``: the KDA short convolutions' kernel (``model.kda.conv_kernel``): their halo
+        SeqInfo is built in :meth:`shard` and rides in its one host-to-device copy (0: built by the
+        first ``causal_conv``, in a copy of its own)."""
         self.group, self.size, self.rank, self.balance, self.split = group, size, rank, balance, split
+        self.conv_kernel = conv_kernel
 
     def shard(self, input_ids_BT: torch.Tensor, labels_BT: Optional[torch.Tensor],
               cu_seqlens: Optional[torch.Tensor]):
@@ -354,19 +358,27 @@ class ContextParallel:
         # it is not a device sync); only its results move to the device
         cu = None if cu_seqlens is None else torch.as_tensor(cu_seqlens).cpu()
         docs = cp_local_docs(cu, B, T, self.size, r)
-        key_doc = key_doc_host = None
+        key_doc_host = None
         if cu is not None:
             whole = make_seq_info(B, T, cu)
             if whole.cu_seqlens_host.numel() - 1 != B:  # some row holds more than one document
                 key_doc_host = whole.doc_ids_BT[:, : T if self.balance else (r + 1) * Tl]
-                key_doc = key_doc_host.to(dev)
-        local_cu = None if docs.cu_seqlens is None else docs.cu_seqlens.to(dev)
+        halo = None  # the conv halo's SeqInfo (packed rows only; built on the host)
+        if self.conv_kernel and docs.pos_in_doc_BT is not None:
+            halo = conv_halo_seq_info(docs.pos_in_doc_BT, self.conv_kernel)
+        # the local SeqInfo, the key document ids, the local offsets and the halo's offsets and
+        # positions: one non-blocking host-to-device copy (megak3.ops.h2d)
+        seq, (key_doc, local_cu, halo_cu, halo_pos) = make_seq_info(B, Tl, docs.cu_seqlens).moved(
+            dev, (key_doc_host, docs.cu_seqlens, None if halo is None else halo.cu_seqlens,
+                  None if halo is None else halo.pos_in_doc_BT))
         shard = CPShard(self.group, self.size, r, Tl, docs.continues, local_cu, docs.pos_in_doc_BT, key_doc,
                         balance=self.balance,
                         split=self.split,
                         block_work=block_work(key_doc_host, T, self.split * self.size) if self.balance else None,
                         device=dev)
-        seq = dataclasses.replace(make_seq_info(B, Tl, docs.cu_seqlens, dev), cp=shard)
+        if halo is not None:
+            shard._conv_seq[self.conv_kernel] = dataclasses.replace(halo, cu_seqlens=halo_cu, pos_in_doc_BT=halo_pos)
+        seq = dataclasses.replace(seq, cp=shard)
         sl = slice(r * Tl, (r + 1) * Tl)
         labels = None if labels_BT is None else labels_BT[:, sl]
         return input_ids_BT[:, sl], labels, seq
@@ -380,6 +392,8 @@ def parallelize_cp(model, ps, parallel_cfg=None) -> Optional[ContextParallel]:
         return None
     balance = bool(getattr(parallel_cfg, "cp_balance", ParallelConfig.cp_balance))
     split = int(getattr(parallel_cfg, "cp_balance_split", ParallelConfig.cp_balance_split))
-    hook = ContextParallel(ps.cp_group, ps.cp_size, dist.get_rank(ps.cp_group), balance, split)
+    kda = getattr(getattr(model, "config", None), "kda", None)
+    hook = ContextParallel(ps.cp_group, ps.cp_size, dist.get_rank(ps.cp_group), balance, split,
+                           conv_kernel=getattr(kda, "conv_kernel", 0))
     model.set_parallel_hooks(replace(model.parallel_hooks, context_parallel=hook))
     return hook

@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 from megak3.model.seqinfo import SeqInfo, make_seq_info
+from megak3.ops.h2d import host_to_device
 from megak3.ops.kda import kda
 
 __all__ = ["kda_cp", "all_gather_autograd", "segment_affine_map", "exchange_conv_halo", "conv_halo_seq_info", "cp_local_docs",
@@ -223,7 +224,8 @@ def conv_halo_seq_info(pos_in_doc_BT: Optional[torch.Tensor], kernel: int, devic
             or None for unpacked rows (each row one document spanning all ranks). Pass the host
             copy: the document starts are found by index math on it (a boolean mask, whose result
             size would be a device-to-host read on a device tensor).
-        device: where the returned tensors live (default: that of ``pos_in_doc_BT``).
+        device: where the returned tensors go, in one non-blocking copy (:meth:`SeqInfo.moved`);
+            None: they stay where ``pos_in_doc_BT`` is.
     Returns:
         SeqInfo whose `pos_in_doc_BT` is the local positions preceded by W-1 placeholder zeros for the
         halo tokens (their outputs are to be dropped: `conv(...)[:, W-1:]`); `cu_seqlens` lists the
@@ -232,15 +234,15 @@ def conv_halo_seq_info(pos_in_doc_BT: Optional[torch.Tensor], kernel: int, devic
     """
     if pos_in_doc_BT is None:
         return SeqInfo(0, 0, None, None, None)
-    dev = pos_in_doc_BT.device if device is None else torch.device(device)
     B, T = pos_in_doc_BT.shape
     n = kernel - 1
     pos = torch.cat([pos_in_doc_BT.new_zeros(B, n), pos_in_doc_BT], 1)
     flat = pos.reshape(-1)
-    idx = torch.arange(flat.numel(), device=flat.device)
+    idx = torch.arange(flat.numel())                                    # host index math
     starts = idx[(flat == 0) | (idx % (T + n) == 0)]
     cu = torch.nn.functional.pad(starts, (0, 1), value=flat.numel())   # + the stream's end
-    return SeqInfo(B, T + n, cu.to(torch.int32).to(dev), None, pos.to(dev), cu_seqlens_host=cu)
+    seq = SeqInfo(B, T + n, cu.to(torch.int32), None, pos, cu_seqlens_host=cu)
+    return seq if device is None else seq.moved(device)[0]  # one non-blocking copy
 
 
 # -------------------------------------------------------------------------------- document layout
@@ -406,7 +408,8 @@ def kda_cp(q, k, v, g, beta, group, *, cu_seqlens: Optional[torch.Tensor] = None
         if initial_state is not None:  # per document: row b's first document starts from S0_b
             N = B if offsets is None else len(offsets) - 1
             init_n = initial_state.new_zeros(N, H, K, Vd)
-            init_n = init_n.index_copy(0, torch.tensor(first, device=q.device), initial_state)
+            first_idx = host_to_device([torch.tensor(first)], q.device)[0]
+            init_n = init_n.index_copy(0, first_idx, initial_state)
         flat = (lambda t: t.reshape(1, B * T, *t.shape[2:])) if offsets is not None else (lambda t: t)
         o, fin = kda(flat(q), flat(k), flat(v), flat(g), flat(beta), scale=scale, initial_state=init_n,
                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
@@ -418,9 +421,13 @@ def kda_cp(q, k, v, g, beta, group, *, cu_seqlens: Optional[torch.Tensor] = None
     o0, u, E, P = _local_pass(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu if offsets is not None else None,
                               carried_docs, scale, chunk_size, use_fla, lower_bound)
     cdt = E.dtype
-    last_idx = torch.tensor(last, device=q.device)
-    E_last = E.index_select(0, last_idx)                                              # [B,H,K,V]
-    M_last = P.index_select(0, last_idx) if P is not None else E.new_zeros(B, H, K, K)
+    if offsets is None:                                   # one document per row: last[b] = b
+        E_last, M_last = E, (P if P is not None else E.new_zeros(B, H, K, K))
+    else:  # row b's last document ends at (b+1)*T: found on the device, no host-to-device copy
+        row_end_B = torch.arange(1, B + 1, dtype=cu_seqlens.dtype, device=cu_seqlens.device) * T
+        last_idx = (torch.searchsorted(cu_seqlens, row_end_B) - 1).to(E.device)       # == last
+        E_last = E.index_select(0, last_idx)                                          # [B,H,K,V]
+        M_last = P.index_select(0, last_idx) if P is not None else E.new_zeros(B, H, K, K)
     if r == 0:
         S_in = initial_state.to(cdt) if initial_state is not None else None
         if S_in is not None:
@@ -450,8 +457,8 @@ def kda_cp(q, k, v, g, beta, group, *, cu_seqlens: Optional[torch.Tensor] = None
         return _Tie.apply(gathered, o)[0], None
     fin = E
     if carried_rows:
-        row_of_doc = torch.tensor([first.index(n) if n in carried_docs else 0 for n in range(E.shape[0])],
-                                  device=q.device)
+        row_of_doc = host_to_device([torch.tensor([first.index(n) if n in carried_docs else 0
+                                                   for n in range(E.shape[0])])], q.device)[0]
         fin = E + P @ S_in.index_select(0, row_of_doc)     # P is 0 for documents that are not carried
     o, fin = _Tie.apply(gathered, o, fin)
     return o, fin

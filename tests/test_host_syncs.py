@@ -12,8 +12,21 @@ is not a device sync). Everything else is treated as living on the device; an op
 only is flagged (conservative). A tensor is host only if it was made on the host and never moved:
 ``.to(<torch.device>)`` of a host tensor or constant (the training device; on this machine it would
 return the same tensor) returns a fresh tensor that counts as device data, so the production
-``RankStep.to_device`` is spied on as it is (issue 24: the earlier "clone = move" emulation kept
+move (``megak3.ops.h2d.host_to_device``, called by ``RankStep.to_device`` and the step's
+``batches_to_device``) is spied on as it is (issue 24: the earlier "clone = move" emulation kept
 moved labels host and missed ``token_loss_sum``'s ``int(count)`` on every micro-batch).
+
+Blocking host-to-device copies are counted too (``H2D ...`` events): on CUDA ``.to(device)`` of a
+pageable host tensor, ``torch.tensor(data, device=)`` / ``torch.as_tensor(host, device=)`` and
+``device_tensor.copy_(host_tensor)`` wait for the stream (torch synchronizes after a blocking copy;
+the driver may, to stage pageable memory, under ``non_blocking``), so the host stops running ahead
+of the GPU. A copy of a host tensor or constant to the training device (a
+``torch.device``, or a device string other than 'cpu') is flagged unless it is made by the one
+helper :mod:`megak3.ops.h2d` (pinned staging, one ``non_blocking`` copy per call; on this machine it
+returns ``t.to(device)``, which the spy turns into device data as above). ``torch.tensor(data)``
+without a device makes a host constant; a factory (``torch.zeros``, ``arange``, ``full``, ...) with a
+training-device ``device=`` fills on the device (device data, never a copy source), one without
+makes a host constant.
 
 Counted on the code before issue 19 (commit ce1127a, k3 parity model, fp32, this spy): one MoE
 layer fwd+bwd 4 (1 ``bincount`` in permute, 3 ``.tolist()`` in the per-expert loop); a MoonEP layer
@@ -25,6 +38,7 @@ optimizer's ``bool(any)`` and boolean-mask norm), plus the NaN-skip flag read by
 """
 from __future__ import annotations
 
+import sys
 import traceback
 from dataclasses import replace
 
@@ -54,6 +68,32 @@ def _where() -> str:
     return "?"
 
 
+H2D_HELPER = "/megak3/ops/h2d.py"
+"""the one module allowed to copy host tensors to the device (pinned staging, non_blocking)"""
+
+
+def _helper_frame():
+    """The H2D helper's frame when it is the first caller outside torch and this file, else None."""
+    f = sys._getframe(1)
+    while f is not None and ("/torch/" in f.f_code.co_filename or "test_host_syncs" in f.f_code.co_filename):
+        f = f.f_back
+    return f if f is not None and f.f_code.co_filename.endswith(H2D_HELPER) else None
+
+
+def _from_helper() -> bool:
+    return _helper_frame() is not None
+
+
+def _is_device(dev) -> bool:
+    """``dev`` names the training device: a torch.device (on this machine that is the CPU, so a
+    literal 'cpu' string is how code asks for the host) or any other device string ('cuda')."""
+    return isinstance(dev, torch.device) or (isinstance(dev, str) and not dev.startswith("cpu"))
+
+
+_FACTORIES = ("empty", "zeros", "ones", "full", "arange", "eye", "linspace", "rand", "randn", "randint",
+              "randperm", "empty_strided", "scalar_tensor")
+
+
 class HostSyncSpy(TorchDispatchMode):
     """Counts would-be host syncs; ``events`` lists (what, where) for the failure message."""
 
@@ -61,7 +101,18 @@ class HostSyncSpy(TorchDispatchMode):
         super().__init__()
         self.host = WeakTensorKeyDictionary()
         self.events: list[tuple[str, str]] = []
+        self.copies: list[list] = []    # [tensors, caller] per call of the H2D helper (one copy each)
+        self._helper_call = None        # the helper frame of the last copy (a call = one frame)
         self._patched = []
+
+    def _helper_move(self, frame) -> None:
+        if frame is not self._helper_call:
+            f = frame
+            while f is not None and f.f_code.co_filename.endswith((H2D_HELPER, "/megak3/model/seqinfo.py")):
+                f = f.f_back
+            self.copies.append([0, "?" if f is None else f"{f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno}"])
+            self._helper_call = frame
+        self.copies[-1][0] += 1
 
     def mark_host(self, *tensors) -> None:
         for t in tensors:
@@ -88,6 +139,9 @@ class HostSyncSpy(TorchDispatchMode):
             elif func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default) and any(
                     isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in flat[1:]):
                 self._flag(f"{func} with a boolean mask")
+            elif (func is aten.copy_.default and kinds[0] == "device" and kinds[1] in ("host", "constant")
+                  and not _from_helper()):
+                self._flag("H2D copy_ from a host tensor")
         out = func(*args, **kwargs)
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         if host:
@@ -121,23 +175,74 @@ class HostSyncSpy(TorchDispatchMode):
                 if not spy._is_host(self):
                     spy._flag("Tensor.to('cpu')")
                 return orig_to(self, *a, **k)
-            out = orig_to(self, *a, **k)
-            if isinstance(dev, torch.device) and spy.host.get(self) in ("host", "constant"):  # moved to the device
+            if _is_device(dev) and spy.host.get(self) in ("host", "constant"):  # moved to the device
+                helper = _helper_frame()
+                if helper is None:
+                    spy._flag("H2D Tensor.to(device)")
+                else:
+                    spy._helper_move(helper)
+                out = orig_to(self, *a, **k)
                 if out is self:
                     out = self.clone()
                 spy.host.pop(out, None)
-            return out
+                return out
+            return orig_to(self, *a, **k)
+
+        def from_data(name, orig):
+            def wrapped(data, *a, **k):  # torch.tensor / torch.as_tensor(data, dtype=None, device=None)
+                dev = k.get("device", a[1] if len(a) > 1 else None)
+                if not _is_device(dev):
+                    out = orig(data, *a, **k)
+                    if not isinstance(data, torch.Tensor):
+                        spy.host[out] = "constant"  # made on the host from Python data
+                    return out
+                if (not isinstance(data, torch.Tensor) or spy.host.get(data) in ("host", "constant")) \
+                        and not _from_helper():
+                    spy._flag(f"H2D torch.{name}(device=)")
+                out = orig(data, *a, **k)
+                if out is data:
+                    out = data.clone()
+                spy.host.pop(out, None)
+                return out
+            return wrapped
+
+        def filled(orig):
+            def made(*a, **k):  # a factory's device kwarg says where it fills (the dispatcher sees 'cpu')
+                out = orig(*a, **k)
+                if _is_device(k.get("device")) and isinstance(out, torch.Tensor):
+                    spy.host.pop(out, None)  # filled on the device: device data, not a host constant
+                return out
+            return made
 
         patch("tolist")
         patch("numpy")
         patch("cpu")
+        for name in _FACTORIES:
+            orig = getattr(torch, name)
+            setattr(torch, name, filled(orig))
+            self._patched.append((f"torch.{name}", orig))
+        orig_cuda = torch.Tensor.cuda
+
+        def cuda(self, *a, **k):
+            if spy.host.get(self) in ("host", "constant") and not _from_helper():
+                spy._flag("H2D Tensor.cuda()")
+            return orig_cuda(self, *a, **k)
+        torch.Tensor.cuda = cuda
+        self._patched.append(("cuda", orig_cuda))
         torch.Tensor.to = to
         self._patched.append(("to", orig_to))
+        for name in ("tensor", "as_tensor"):
+            orig = getattr(torch, name)
+            setattr(torch, name, from_data(name, orig))
+            self._patched.append((f"torch.{name}", orig))
         return super().__enter__()
 
     def __exit__(self, *exc):
         for name, orig in reversed(self._patched):
-            setattr(torch.Tensor, name, orig)
+            if name.startswith("torch."):
+                setattr(torch, name[len("torch."):], orig)
+            else:
+                setattr(torch.Tensor, name, orig)
         self._patched.clear()
         return super().__exit__(*exc)
 
@@ -163,6 +268,38 @@ def test_spy_flags_known_syncs_and_spares_host_tensors():
         int((h != 0).sum())                                   # host data: not a sync
     kinds = [w for w, _ in spy.events]
     assert len(kinds) == 7, spy.report()
+
+
+def test_spy_flags_blocking_host_to_device_copies_outside_the_helper():
+    """The H2D rule: every way of copying a host tensor or Python data to the training device is
+    flagged, except through megak3.ops.h2d (whose results are device data); fills on the device,
+    dtype casts and host math are not copies."""
+    from megak3.ops.h2d import host_to_device
+
+    dev = torch.device("cpu")      # the training device on this machine
+    h = torch.arange(6)
+    with HostSyncSpy() as spy:
+        spy.mark_host(h)
+        d = h.to(dev)                                            # 1
+        h.to(device=dev, dtype=torch.float32)                    # 2
+        torch.tensor([1, 2], device=dev)                         # 3
+        torch.as_tensor(h, device=dev)                           # 4
+        torch.zeros(6, dtype=torch.long).to(dev)                 # 5: a host-made constant, moved
+        torch.tensor([3.0]).to(dev)                              # 6
+        (d * 1).copy_(h)                                         # 7: device tensor <- host tensor
+        n = len(spy.events)
+        moved, none = host_to_device([h, None], dev)             # the helper: not flagged
+        z = torch.zeros(3, device=dev)                           # a fill on the device, no copy
+        z.to(dev), d.to(dev), h.to(torch.int32), h.to("cpu")     # no-ops, a cast, the host itself
+        (h + 1).sum()
+        assert len(spy.events) == n and none is None
+        moved.sum().item()                                       # helper output is device data: a sync
+    assert torch.equal(moved, h)
+    kinds = [w for w, _ in spy.events]
+    assert kinds == ["H2D Tensor.to(device)"] * 2 + ["H2D torch.tensor(device=)", "H2D torch.as_tensor(device=)"] \
+        + ["H2D Tensor.to(device)"] * 2 + ["H2D copy_ from a host tensor", "aten._local_scalar_dense.default"], \
+        spy.report()
+    assert spy.copies == [[1, spy.copies[0][1]]], spy.copies   # one helper call, one tensor moved
 
 
 # ---- one MoE layer ------------------------------------------------------------------------------
@@ -239,9 +376,10 @@ def _old_token_loss_sum(logits_BTV, labels_BT):
     return loss, n
 
 
-def _step_events(rank=0, world=1, layout=None, loss_fn=None):
+def _step_events(rank=0, world=1, layout=None, loss_fn=None, with_copies=False):
     """Events of one non-logging production step (the second; the first warms lazy state up) on
-    this rank. layout: parity_job keyword arguments (tp, sp, cp, ep; dp fills the world)."""
+    this rank. layout: parity_job keyword arguments (tp, sp, cp, ep; dp fills the world).
+    with_copies: return (events, the H2D helper's copies: [tensors moved, caller] per call)."""
     from megak3.train.step import RankStep
     from parallel.testing import global_batch, local_rows
     from megak3.train.parity import parity_job
@@ -269,7 +407,7 @@ def _step_events(rank=0, world=1, layout=None, loss_fn=None):
     with spy:
         out = step(1)
     assert not bool(out["skipped"])
-    return spy.events
+    return (spy.events, spy.copies) if with_copies else spy.events
 
 
 def _at(loc: str, site: str) -> bool:
@@ -284,9 +422,27 @@ def _not_elsewhere(events, allowed=ELSEWHERE):
 
 
 def test_training_step_has_no_host_sync():
-    """Includes the non-finite skip: decided on the device (``found_inf``), never read on the host."""
-    mine = _not_elsewhere(_step_events())
+    """Includes the non-finite skip: decided on the device (``found_inf``), never read on the host.
+    Host-to-device: two copies through megak3.ops.h2d, none outside it: the micro-batch (ids,
+    labels) with the step's counts, and the SeqInfo's three index tensors."""
+    events, copies = _step_events(with_copies=True)
+    mine = _not_elsewhere(events)
     assert mine == [], "\n".join(f"{w}: {loc}" for w, loc in mine)
+    assert [(n, loc.split(":")[0]) for n, loc in copies] == [(3, "step.py"), (3, "k3.py")], copies
+
+
+def test_spy_sees_a_blocking_copy_planted_in_the_step(monkeypatch):
+    """Negative control of the H2D rule over a whole step: the step's batch moved by a plain
+    ``.to(device, non_blocking=True)`` from pageable memory (what RankStep.to_device did before) is
+    flagged at train/step.py, once per tensor (ids, labels, the counts)."""
+    import megak3.train.step as step_mod
+
+    monkeypatch.setattr(step_mod, "host_to_device", lambda ts, dev: [t.to(dev, non_blocking=True) for t in ts])
+    events, copies = _step_events(with_copies=True)
+    mine = _not_elsewhere(events)
+    assert [w for w, _ in mine] == ["H2D Tensor.to(device)"] * 3, mine
+    assert all(loc.startswith("train/step.py") for _, loc in mine), mine
+    assert [loc.split(":")[0] for _, loc in copies] == ["k3.py"], copies
 
 
 def test_spy_sees_moved_labels_as_device_data():
@@ -339,48 +495,63 @@ PER_LAYER_READS = {
     "parallel/moe_stats.py": "the exact Quantile-Balancing merge reads the gathered token counts, once per MoE layer "
                              "and step (documented there; model.moe.qb_method=histogram has none)",
 }
-# Host syncs the spy finds that are NOT fixed yet: site -> (most events per step, reason). Empty
-# since issue 37: ZeRO-1 decides which params have a gradient from static information (plus a
-# device-side mask for the model's batch-dependent params, parallel/data_parallel/grads.py), and
-# the CP conv halo's document starts are index math on the loader's host offsets
-# (parallel/context_parallel.py ContextParallel.shard, parallel/kda_cp.py conv_halo_seq_info).
+# Host syncs and blocking host-to-device copies the spy finds that are NOT fixed yet: site -> (most
+# events per step, reason). Empty since issue 37: ZeRO-1 decides which params have a gradient from
+# static information (plus a device-side mask for the model's batch-dependent params,
+# parallel/data_parallel/grads.py), and the CP conv halo's document starts are index math on the
+# loader's host offsets (parallel/context_parallel.py ContextParallel.shard, parallel/kda_cp.py
+# conv_halo_seq_info). Every host-to-device copy of the step goes through megak3.ops.h2d (the
+# micro-batch with the step's counts in train/step.py, SeqInfo.moved for the model's and CP's index
+# tensors; kda_cp finds each row's last document on the device).
 OPEN: dict = {}
 LAYOUTS = {"tp2+sp": {"tp": 2, "sp": True}, "dp2 ZeRO-1": {}, "ep2 MoonEP": {"ep": 2}, "cp2": {"cp": 2},
            "pp2": {"pp": 2}}
 
 
 def _planted_item(loss_fn):
-    """``loss_fn`` plus a host read of its loss (the negative control of the layout runs; the spy
-    names the model's loss line, the first frame outside this file)."""
+    """``loss_fn`` plus a host read of its loss and a blocking host-to-device copy (the negative
+    controls of the layout runs; the spy names the model's loss line, the first frame outside this
+    file)."""
     def planted(logits, labels):
         out = loss_fn(logits, labels)
         out[0].item()
+        torch.tensor([1.0]).to(logits.device)
         return out
     return planted
 
 
 def _layout_events(rank, world):
-    out = {name: _step_events(rank, world, layout) for name, layout in LAYOUTS.items()}
+    out = {name: _step_events(rank, world, layout, with_copies=True) for name, layout in LAYOUTS.items()}
     from megak3.model.k3 import token_loss_sum
     out["planted"] = _step_events(rank, world, {}, loss_fn=_planted_item(token_loss_sum))
     return out
 
 
+# Host-to-device copies per step (all through megak3.ops.h2d): (tensors moved, file of the caller).
+# The micro-batch with the step's counts; then the SeqInfo (k3.py), or under CP the local SeqInfo,
+# the key document ids, the local offsets and the conv halo's offsets and positions in one copy.
+COPIES = {"cp2": [(3, "step.py"), (7, "context_parallel.py")]}
+COPIES_DEFAULT = [(3, "step.py"), (3, "k3.py")]
+
+
 def test_parallel_steps_have_no_host_sync():
     """tp2 + sequence parallel, dp2 with ZeRO-1, ep2 with MoonEP, cp2 (balanced MLA, the default),
-    pp2 (gloo, 2 ranks): 0 host syncs in a non-logging step outside the CPU twins' sites
-    (ELSEWHERE) and the per-layer reads above; a planted ``.item()`` in the dp2 step is seen."""
+    pp2 (gloo, 2 ranks): 0 host syncs and 0 blocking host-to-device copies in a non-logging step
+    outside the CPU twins' sites (ELSEWHERE) and the per-layer reads above; the step's copies are
+    the two of COPIES, through megak3.ops.h2d; a planted ``.item()`` and a planted ``.to(device)``
+    in the dp2 step are seen."""
     from parallel.testing import run_distributed
 
     cfg = load_model_config("k3_tiny", **PARITY_MODEL)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     for rank, by_layout in enumerate(run_distributed(_layout_events, 2, timeout_s=400)):
         # negative control: the same dp2 step with a planted .item() on the loss is seen, where it is
-        planted = by_layout.pop("planted")
-        assert [w for w, loc in _not_elsewhere(planted, {**ELSEWHERE, **PER_LAYER_READS})] == \
-            ["aten._local_scalar_dense.default"], planted
-        assert _not_elsewhere(planted, {**ELSEWHERE, **PER_LAYER_READS})[0][1].startswith("model/k3.py"), planted
-        for name, events in by_layout.items():
+        planted = _not_elsewhere(by_layout.pop("planted"), {**ELSEWHERE, **PER_LAYER_READS})
+        assert [w for w, loc in planted] == ["aten._local_scalar_dense.default", "H2D Tensor.to(device)"], planted
+        assert all(loc.startswith("model/k3.py") for _, loc in planted), planted
+        for name, (events, copies) in by_layout.items():
+            assert [(n, loc.split(":")[0]) for n, loc in copies] == COPIES.get(name, COPIES_DEFAULT), \
+                (name, rank, copies)
             mine = _not_elsewhere(events, {**ELSEWHERE, **PER_LAYER_READS, **OPEN})
             assert mine == [], f"{name}, rank {rank}:\n" + "\n".join(f"{w}: {loc}" for w, loc in mine)
             for site, most in [(k, n_moe) for k in PER_LAYER_READS] + [(k, v[0]) for k, v in OPEN.items()]:

@@ -41,6 +41,12 @@ Parts (each compares a fast path with its twin measured in the same run, or meas
                    KDA head width, and an fp32 residual under bf16 autocast (the result stays fp32);
                    max relative difference per tensor; fwd+bwd time ratios. Skips when apex is not built
 
+  h h2d           megak3/ops/h2d.py ``host_to_device`` (the training step's host-to-device copies): values bit
+                   for bit; with 0.5 s of GPU work queued (``torch.cuda._sleep``) its host time vs a plain
+                   ``.to(device)`` of the same pageable 2 MiB tensor (the control, which waits), the ratio
+                   printed; the source may change once the call returns; staging buffers stay in flight
+                   until their copy completes
+
 The parts live in tools/gpu_checks/, one module per topic; this file is the driver (CLI, device,
 skips, the JSON report).
 
@@ -68,16 +74,17 @@ from gpu_checks.apex import part_apex_rms_norm  # noqa: E402
 from gpu_checks.attention import part_mla_attention  # noqa: E402
 from gpu_checks.common import Skip  # noqa: E402
 from gpu_checks.grouped_gemm import part_grouped_gemm  # noqa: E402
+from gpu_checks.h2d import part_h2d  # noqa: E402
 from gpu_checks.kda import part_fla_kda  # noqa: E402
 from gpu_checks.training import part_host_syncs, part_te_fp8, part_throughput  # noqa: E402
 
-PARTS = ("fla_kda", "mla_attention", "grouped_gemm", "throughput", "host_syncs", "te_fp8", "apex_rms_norm")
+PARTS = ("fla_kda", "mla_attention", "grouped_gemm", "throughput", "host_syncs", "te_fp8", "apex_rms_norm", "h2d")
 DRY = ("mla_attention", "grouped_gemm", "throughput")
 """parts with a CPU dry pass (--device cpu); the others need CUDA by nature"""
 
 RUNNERS = {"fla_kda": part_fla_kda, "mla_attention": part_mla_attention, "grouped_gemm": part_grouped_gemm,
            "throughput": part_throughput, "host_syncs": part_host_syncs, "te_fp8": part_te_fp8,
-           "apex_rms_norm": part_apex_rms_norm}
+           "apex_rms_norm": part_apex_rms_norm, "h2d": part_h2d}
 
 
 # ---- driver -----------------------------------------------------------------------------------------
@@ -177,6 +184,11 @@ def _summary(part: str, out: dict) -> str:
         return ("max relative diff vs the twin " + ", ".join(
             f"{k} {max(v for n, v in out['max_rel_diff'].items() if n.startswith(k)):.2g}" for k in ("fp32", "bf16"))
             + "; fwd+bwd speedup " + ", ".join(f"{k} {v:.2f}x" for k, v in out["speedup"].items()))
+    if part == "h2d":
+        hs = out["host_s"]
+        return (f"host ms with {out['queued_s'] * 1e3:.0f} ms queued: host_to_device {hs['host_to_device'] * 1e3:.2f}, "
+                f".to(device) {hs['to_blocking'] * 1e3:.1f} ({out['blocking_over_helper']:.0f}x), pageable "
+                f"non_blocking {hs['to_non_blocking_pageable'] * 1e3:.2f}")
     return ""
 
 

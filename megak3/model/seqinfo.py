@@ -6,10 +6,12 @@ in here: callers may pass document boundaries only.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence, Tuple
 
 import torch
+
+from ..ops.h2d import host_to_device
 
 
 @dataclass(frozen=True)
@@ -34,10 +36,19 @@ class SeqInfo:
     def packed(self) -> bool:
         return self.cu_seqlens is not None
 
+    def moved(self, device, extra: Sequence[Optional[torch.Tensor]] = ()) -> Tuple["SeqInfo", list]:
+        """(this SeqInfo with ``cu_seqlens`` / ``doc_ids_BT`` / ``pos_in_doc_BT`` on ``device``, the
+        ``extra`` host tensors on ``device``): all in ONE non-blocking copy
+        (:func:`megak3.ops.h2d.host_to_device`); ``cu_seqlens_host`` stays on the host."""
+        cu, doc, pos, *rest = host_to_device([self.cu_seqlens, self.doc_ids_BT, self.pos_in_doc_BT, *extra], device)
+        return replace(self, cu_seqlens=cu, doc_ids_BT=doc, pos_in_doc_BT=pos), rest
+
 
 def make_seq_info(batch: int, seqlen: int, cu_seqlens: Optional[torch.Tensor],
-                  device: torch.device | str = "cpu") -> SeqInfo:
-    """Validate ``cu_seqlens`` and derive per-token document ids / positions."""
+                  device: Optional[torch.device] = None) -> SeqInfo:
+    """Validate ``cu_seqlens`` and derive per-token document ids / positions (index math on the
+    host); ``device``: where the three index tensors go, in one non-blocking copy
+    (:meth:`SeqInfo.moved`), None: they stay on the host."""
     if cu_seqlens is None:
         return SeqInfo(batch, seqlen, None, None, None)
     total = batch * seqlen
@@ -52,5 +63,6 @@ def make_seq_info(batch: int, seqlen: int, cu_seqlens: Optional[torch.Tensor],
     doc_ids = torch.repeat_interleave(torch.arange(lengths.numel(), device="cpu"), lengths)
     starts = torch.repeat_interleave(cu[:-1], lengths)
     pos = torch.arange(total, device="cpu") - starts
-    return SeqInfo(batch, seqlen, cu.to(torch.int32).to(device), doc_ids.view(batch, seqlen).to(device),
-                   pos.view(batch, seqlen).to(device), cu_seqlens_host=cu)
+    seq = SeqInfo(batch, seqlen, cu.to(torch.int32), doc_ids.view(batch, seqlen), pos.view(batch, seqlen),
+                  cu_seqlens_host=cu)
+    return seq if device is None else seq.moved(device)[0]

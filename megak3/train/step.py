@@ -23,10 +23,11 @@ sum it over ``ps.dp_cp_group``.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from moonep.stats import LoadRecorder
 from parallel.data_parallel import build_sharded_optimizer
@@ -39,6 +40,7 @@ from parallel.state import ParallelState
 
 from ..model.balancing import QBAccumulator, resolve_qb_method
 from ..model.k3 import build_model
+from ..ops.h2d import host_to_device
 from ..optim import lr_at, set_lr
 from ..quant import apply_quantization
 from ..quant.te import fp8_autocast_context
@@ -51,6 +53,21 @@ def all_reduce_sum(t: torch.Tensor, groups) -> torch.Tensor:
         if g is not None:
             dist.all_reduce(t, group=g)
     return t
+
+
+def batches_to_device(batches: List[dict], device, extra: Sequence[torch.Tensor] = ()) -> Tuple[List[dict], list]:
+    """(the micro-batches with every tensor, ``images`` lists included, on ``device``; the ``extra``
+    host tensors on ``device``) in ONE non-blocking copy (:func:`megak3.ops.h2d.host_to_device`:
+    pinned staging on CUDA, the identity on the CPU). ``cu_seqlens`` stays on the host, where
+    make_seq_info does its index math (moving it would cost a device-to-host copy back)."""
+    trees = [tree_flatten({k: v for k, v in b.items() if k != "cu_seqlens"}) for b in batches]
+    host = [x for leaves, _ in trees for x in leaves if torch.is_tensor(x)] + list(extra)
+    moved = iter(host_to_device(host, device))
+    out = []
+    for b, (leaves, spec) in zip(batches, trees):
+        m = tree_unflatten([next(moved) if torch.is_tensor(x) else x for x in leaves], spec)
+        out.append({k: b[k] if k == "cu_seqlens" else m[k] for k in b})
+    return out, list(moved)
 
 
 class RankStep:
@@ -96,14 +113,8 @@ class RankStep:
         return stack
 
     def to_device(self, batch: dict) -> dict:
-        """The micro-batch on this rank's device; ``cu_seqlens`` stays on the host, where
-        make_seq_info does its index math (moving it would cost a device-to-host copy back)."""
-        def move(v):
-            if torch.is_tensor(v):
-                return v.to(self.device, non_blocking=True)
-            return [move(x) for x in v] if isinstance(v, list) else v  # images: a list of [C, H, W]
-
-        return {k: (v if k == "cu_seqlens" else move(v)) for k, v in batch.items()}
+        """The micro-batch on this rank's device (one non-blocking copy, :func:`batches_to_device`)."""
+        return batches_to_device([batch], self.device)[0][0]
 
     def accumulate(self, micro: list) -> dict:
         """Forward/backward over one step's micro-batches (host tensors, moved here); feeds the QB
@@ -117,13 +128,12 @@ class RankStep:
         model.train()
         local_tokens = sum(int((b["labels"] != -100).sum()) for b in micro)  # host batches: no sync
         # images and their LM tokens ride in the same all-reduce (for the log line)
-        dp_counts = torch.tensor([float(local_tokens), float(sum(b.get("num_images", 0) for b in micro)),
-                                  float(sum(b.get("vision_tokens", 0) for b in micro))],
-                                 dtype=torch.float64, device=self.device)
+        counts = torch.tensor([float(local_tokens), float(sum(b.get("num_images", 0) for b in micro)),
+                               float(sum(b.get("vision_tokens", 0) for b in micro))], dtype=torch.float64)
+        micro, (dp_counts,) = batches_to_device(micro, self.device, [counts])  # the step's one H2D copy
         dp_counts = all_reduce_sum(dp_counts, [ps.dp_group])
         step_tokens = dp_counts[:1]
         denom = step_tokens.clamp_min(1.0)
-        micro = [self.to_device(b) for b in micro]
         loads = None
         biases = [m.gate.e_score_correction_bias for m in model.moe_layers()]
         if self.engine is not None:  # the pipeline schedule runs every micro-batch's forward/backward

@@ -36,7 +36,6 @@ ranks do not take part in).
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from datetime import timedelta
 from typing import List, Optional, Tuple
 
@@ -44,7 +43,7 @@ import torch.distributed as dist
 
 from parallel.state import ParallelState, init_parallel
 
-from .buffer import Rollout
+from .buffer import Rollout, batch_state, load_batch
 
 
 def world_of(ps: Optional[ParallelState], placement: str) -> Tuple[int, int]:
@@ -62,15 +61,11 @@ def world_of(ps: Optional[ParallelState], placement: str) -> Tuple[int, int]:
 
 def check_run(rl, par, run_dir: str = "") -> None:
     """Refuse (one line, naming the field) what the separate placement or the lag does not build
-    (``run_dir``: the run is to be resumable, ``train.run_dir``)."""
+    (``run_dir``: the run is to be resumable, ``train.run_dir``: built for every placement and lag)."""
     ro = rl.rollout
     what = "rl.rollout.placement=separate" if ro.placement == "separate" else "rl.rollout.lag=1"
     if ro.placement == "colocated" and ro.lag == 0:
         return
-    if run_dir:
-        raise ValueError(f"train.run_dir={run_dir} with {what}: resumable runs are built for colocated engines at "
-                         "lag 0 (the batch generated ahead is not checkpointed); drop train.run_dir or set "
-                         "rl.rollout.placement=colocated rl.rollout.lag=0")
     if rl.env:
         raise ValueError(f"rl.env={rl.env} with {what}: agentic episodes run with colocated engines at lag 0; "
                          "set rl.rollout.placement=colocated rl.rollout.lag=0")
@@ -126,12 +121,17 @@ def share(produced, trainers: int, group) -> Tuple[dict, List[List[Rollout]]]:
     if rank > trainers:
         return produced
     t0 = time.perf_counter()
-    box = [None]
-    if rank == trainers:
-        rec, groups = produced
-        box = [(rec, [[asdict(r) for r in g] for g in groups])]
+    box = [batch_state(produced) if rank == trainers else None]
     dist.broadcast_object_list(box, src=trainers, group=group)
     if rank == trainers:
         return produced
-    rec, groups = box[0]
-    return dict(rec, wait_s=time.perf_counter() - t0), [[Rollout(**d) for d in g] for g in groups]
+    rec, groups = load_batch(box[0])
+    return dict(rec, wait_s=time.perf_counter() - t0), groups
+
+
+def broadcast(obj, src: int, group):
+    """Rank ``src``'s ``obj`` (plain data) on every rank of ``group`` (each passes its own, ignored but
+    at ``src``): the resumable run's state between the trainer and the engine ranks (checkpoint.py)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]

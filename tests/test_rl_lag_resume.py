@@ -93,6 +93,48 @@ def test_lag1_control_without_the_batch_ahead_differs(straight_lag1, tmp_path, m
     assert not all(torch.equal(v, weights[k]) for k, v in runner.model.state_dict().items())
 
 
+def child_mid(run_dir, cache, kill_after):
+    """Partial rollouts at lag 1, killed with SIGKILL the moment the kill_after-th sample finished."""
+    runner = make_runner(cache)
+    runner.rl.partial_fraction = 0.5
+    runner.resumable(run_dir)
+    journal, count = runner.sampler.on_finish, [0]
+
+    def on_finish(r):
+        journal(r)  # the journal line is durable from here on
+        print(f"finished {r.uid}", flush=True)
+        count[0] += 1
+        if count[0] == kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    runner.sampler.on_finish = on_finish
+    runner.fit(log=None)
+
+
+def test_lag1_kill9_mid_generation_loses_no_finished_sample(tmp_path):
+    """Killed while the batch ahead is generated before the first update (no checkpoint yet: the buffer file
+    holds the first batch), resumed: every sample finished before the kill is trained on or still waits."""
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_rl_lag_resume as t; "
+            f"t.child_mid({str(run)!r}, {str(cache)!r}, 4)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    before = {int(l.split()[1]) for l in p.stdout.splitlines() if l.startswith("finished ")}
+    assert len(before) == 4 and not list(run.glob("checkpoints/step_*"))  # killed before the first save
+    runner = make_runner(cache)
+    runner.rl.partial_fraction = 0.5
+    assert runner.resumable(run) and runner.version == 0 and runner._pending is not None
+    waiting = {r.uid for g in runner._pending[1] for r in g} | {r.uid for r in runner.buffer.rollouts.values()
+                                                                 if r.finished}
+    assert before <= waiting, (before, waiting)
+    runner.fit(log=None)
+    trained = [u for h in runner.history for u in h.get("uids", [])]
+    assert before <= set(trained) | {r.uid for r in runner.buffer.rollouts.values()} and len(trained) == len(set(trained))
+    assert runner.version == 3
+
+
 # ---------------------------------------------------------------------------------- separate, gloo
 CASES = [  # trainer ranks, trainer layout, engine layout, lag
     (2, {}, {"tp": 1, "replicas": 1}, 1),

@@ -8,21 +8,30 @@ Layout of ``train.run_dir`` (the trainer's names)::
                                  step = the policy version. Atomic, per-shard, reshardable; read back as
                                  tensors, JSON and weights_only pickles (megak3/checkpoint/safe.py).
     tokenizer.json               the tokenizer (so ``--checkpoint RUN`` / ``--init-from RUN`` find it)
-    rl_buffer.json               the rollout buffer when new prompts joined (before generation), JSON
+    rl_buffer.json               the rollout buffer (and the batch generated ahead) when new prompts joined (before
+                                 generation), JSON
     finished.jsonl               a JSON line, flushed and fsync'ed, the moment a sample finishes
 
 The RL state (``common["train_data"]``, plain data): policy version, prompts drawn, journal offset (lines of
 ``finished.jsonl`` already in the checkpoint's buffer), the rollout buffer after the update (paused partial
-samples as token lists with their logprobs, versions and budgets), the history, and what a subclass adds
-(:meth:`RLRunner.extra_state`: the agentic driver and sandboxes). The writer also records the RNG state.
+samples as token lists with their logprobs, versions and budgets), the history, the batch generated ahead
+(``rl.rollout.lag=1``: its record and groups of finished samples), the routing (each GRPO group's replica, the
+router's cache model and work counts: engines.ReplicaRollouts.state_dict), and what a subclass adds
+(:meth:`RLRunner.extra_state`: the agentic driver and sandboxes). The writer also records the RNG state (of the
+trainer ranks; a sample's sampling seed is a function of ``rl.seed`` and its uid, so generation keeps none).
+With ``rl.rollout.placement=separate`` the trainer ranks write the checkpoint and its RL state also holds, under
+``engines``, the first engine rank's part (prompts drawn, journal offset, buffer, batch ahead, routing, history),
+sent to them at the save and back to every engine rank at restore (megak3/posttrain/placement.py gives the order);
+the first engine rank writes ``rl_buffer.json`` and ``finished.jsonl``.
 
 Restore (:meth:`RLCheckpoint.restore`): the newest complete checkpoint (``train.resume=auto``) or a named one;
 then ``rl_buffer.json`` when it is of the restored version and the same or a later journal offset; then every
 journal line after that offset is replayed into the buffer (a last line a kill cut short is skipped, any other
 line that is not a journaled sample is refused in one line). A sample finished before a kill is therefore in
-the restored buffer or was trained on by the restored policy. With synchronous rollouts
-(``rl.partial_fraction=1``) and a kill after a save, the rerun is exact (same samples, losses and weights): the
-buffer is empty at every save. Paused samples (partial rollouts) continue from their token lists by prefill
+the restored buffer or the restored batch ahead, or was trained on by the restored policy. With synchronous
+rollouts (``rl.partial_fraction=1``) and a kill after a save, the rerun is exact (same samples, losses and weights) at
+either placement and lag: the buffer is empty at every save (tests/test_rl_checkpoint.py,
+tests/test_rl_lag_resume.py). Paused samples (partial rollouts) continue from their token lists by prefill
 under the restored weights with a fresh sampling stream, so their continuation is not bitwise the one an
 uninterrupted run samples.
 
@@ -165,7 +174,8 @@ class RLCheckpoint:
         gen = rn.sampler is not None
         return {"prompts_used": rn.prompts_used, "journal_lines": self.journal_lines,
                 "buffer": rn.buffer.state_dict(), "history": rn.history,
-                "pending": batch_state(rn._pending) if gen else None, "sampler": rn.sampler.state_dict() if gen else None}
+                "pending": batch_state(rn._pending) if gen else None,
+                "routing": rn.sampler.state_dict() if gen else None}
 
     # ------------------------------------------------------------------------------------- writes
     def journal(self, r: Rollout) -> None:
@@ -232,7 +242,7 @@ class RLCheckpoint:
         if st is not None:
             rn.version, rn.history = int(st["version"]), list(mine["history"])
             buf, offset, used = mine["buffer"], int(mine["journal_lines"]), int(mine["prompts_used"])
-            pending, routing, extra = mine.get("pending"), mine.get("sampler"), st.get("extra") or {}
+            pending, routing, extra = mine.get("pending"), mine.get("routing"), st.get("extra") or {}
         restored = st is not None
         if rn.sampler is not None:  # a rank that generates: the newer buffer file, then the journal
             bpath = self.dir / BUFFER

@@ -28,10 +28,26 @@ counts the lag in (a group is run to its end when it would otherwise be trained 
 late). Colocated at lag 1 runs the same order on one set of ranks (gen_k+1, then upd_k), which makes a
 one-process run the reference of the separate placement at either lag (tests/test_rl_placement.py).
 
-Not built with ``separate`` or ``lag=1`` (refused in one line, :func:`check_run`): agentic episodes (``rl.env``)
-and resumable runs (``train.run_dir``: the batch generated ahead is not in the checkpoint); nor, with
-``separate``, ``parallel.overlap_param_gather`` (its ZeRO-1 groups are made by a world collective the engine
-ranks do not take part in).
+Resumable runs (``train.run_dir``, megak3/posttrain/checkpoint.py) at either placement and lag: the RL state
+holds the batch generated ahead (the loop's ``_pending``, as plain data) and, with ``separate``, the engine side's
+state (buffer with paused samples, prompts drawn, journal offset, routing, history). Their collectives, in this
+order on every rank that takes part (:func:`broadcast`):
+
+    save (after refit_k, when version k is saved):
+        trainer ranks + first engine rank:  engine state from the first engine rank     (the sharing group)
+        trainer ranks:                      the TrainCheckpoint (its barrier over the trainer's ranks)
+    restore (before the first iteration):
+        trainer ranks:                      read the checkpoint (agreement over the trainer's ranks)
+        trainer ranks + first engine rank:  RL state from trainer rank 0                (the sharing group)
+        engine ranks:                       RL state from the first engine rank         (the engines' group)
+        trainer ranks + first engine rank:  (restored?, batch ahead) from the first engine rank (the sharing group)
+        every rank:                         refit (the engines' weights: none are in the checkpoint)
+
+The engine ranks write the journal and the buffer file (the first engine rank) and read them back at restore.
+
+Not built with ``separate`` or ``lag=1`` (refused in one line, :func:`check_run`): agentic episodes (``rl.env``);
+nor, with ``separate``, ``parallel.overlap_param_gather`` (its ZeRO-1 groups are made by a world collective the
+engine ranks do not take part in).
 """
 from __future__ import annotations
 

@@ -8,6 +8,8 @@
   is restored); the runner is dropped after the save at version 1 and a new one resumes in the same processes.
 
 The control: without the batch generated ahead (the restore loses it) the resumed run trains other samples.
+Also: a kill -9 while the batch ahead is generated before the first save loses no finished sample, and a buffer
+file the engine ranks refuse is refused on every rank (one line, nobody left waiting in a collective).
 """
 import os
 import signal
@@ -144,6 +146,8 @@ CASES = [  # trainer ranks, trainer layout, engine layout, lag
 
 
 def _separate(rank, world, trainers, trainer, engine, lag, tok_path, run_dir):
+    import torch.distributed as dist
+
     from megak3.data.tokenizer import load_tokenizer
     from megak3.posttrain.engines import RolloutConfig
     from megak3.posttrain.placement import init_rl_parallel
@@ -182,7 +186,18 @@ def _separate(rank, world, trainers, trainer, engine, lag, tok_path, run_dir):
     c.fit(log=None)
     resumed = outcome(c)
     same_weights = all(torch.equal(v, resumed["weights"][k]) for k, v in straight["weights"].items())
-    return {"trainer": c.model is not None, "restored": restored, "at": at, "pending": pending,
+    refused = ""
+    if lag == 1:  # a buffer file that is not JSON (read by the engine ranks): every rank raises its one line
+        dist.barrier()
+        if rank == 0:
+            with open(os.path.join(run_dir, "cut", "rl_buffer.json"), "wb") as f:
+                f.write(b"\x80\x04not json")
+        dist.barrier()
+        try:
+            runner().resumable(os.path.join(run_dir, "cut"))
+        except ValueError as e:
+            refused = str(e)
+    return {"refused": refused, "trainer": c.model is not None, "restored": restored, "at": at, "pending": pending,
             "uids": (straight["uids"], resumed["uids"]), "loss": (straight["loss"], resumed["loss"]),
             "same_weights": same_weights, "routing": (straight["routing"], resumed["routing"])}
 
@@ -210,6 +225,8 @@ def test_separate_resumes_exactly(case, separate):
         else:
             assert r["routing"][0] == r["routing"][1] and r["routing"][1]["placed"], rank
         assert r["same_weights"], f"rank {rank}: weights differ"
+    if lag == 1:  # the engine ranks' refusal of the buffer file reached the trainer ranks
+        assert all("rollout buffer is not JSON" in res[case]["refused"] for res in separate), separate
     if CASES[case][2]["replicas"] == 2:  # both replicas were used, so the restored router decided something
         placed = separate[-1][case]["routing"][1]["placed"]
         assert {k for _, k in placed} == {0, 1}, placed

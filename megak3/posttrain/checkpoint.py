@@ -215,8 +215,9 @@ class RLCheckpoint:
     # -------------------------------------------------------------------------------------- restore
     def restore(self, spec: str = "auto") -> bool:
         """``train.resume`` (``auto``, ``none`` or a checkpoint path): load the state (module docstring);
-        False when there is nothing to restore. A file needing the full unpickler: ValueError, one line.
-        Every rank calls it. Separate placement, in this order: the trainer ranks read the checkpoint; trainer
+        False when there is nothing to restore. A file needing the full unpickler: ValueError, one line (on
+        every rank: with the separate placement the error of the side that read the file travels with the
+        broadcasts below, so no rank waits for another that raised). Every rank calls it. Separate placement, in this order: the trainer ranks read the checkpoint; trainer
         rank 0 sends the RL state to the first engine rank (a broadcast over the trainer ranks and it), which
         sends it to every engine rank (over the engine ranks' group); the engine ranks add the buffer file
         and the journal; the first engine rank sends the batch generated ahead back to the trainer ranks (a
@@ -225,16 +226,23 @@ class RLCheckpoint:
         rn = self.runner
         if spec == "none":
             return False
-        st = None
+        st, err = None, None
         if self.ckpt is not None:
-            _, common = self.ckpt.resume(spec)
-            st = self.loaded if common is not None else None
+            try:
+                _, common = self.ckpt.resume(spec)
+                st = self.loaded if common is not None else None
+            except ValueError as e:  # on every trainer rank alike (TrainCheckpoint.resume agrees)
+                if not self.separate:
+                    raise
+                err = str(e)
         T = self.trainers
-        if self.separate:
+        if self.separate:  # the engine ranks raise the trainer ranks' error instead of waiting for them
             if self.rank <= T:
-                st = broadcast(st, 0, rn._share_group)
+                st, err = broadcast((st, err), 0, rn._share_group)
             if self.rank >= T:
-                st = broadcast(st, T, rn.engine_ps.host_group)
+                st, err = broadcast((st, err), T, rn.engine_ps.host_group)
+            if err:
+                raise ValueError(err)
         mine = st
         if st is not None and self.separate and rn.ps is None:  # an engine rank: the engines' side of it
             mine = st["engines"]
@@ -244,24 +252,31 @@ class RLCheckpoint:
             buf, offset, used = mine["buffer"], int(mine["journal_lines"]), int(mine["prompts_used"])
             pending, routing, extra = mine.get("pending"), mine.get("routing"), st.get("extra") or {}
         restored = st is not None
-        if rn.sampler is not None:  # a rank that generates: the newer buffer file, then the journal
-            bpath = self.dir / BUFFER
-            if bpath.exists():
-                b = _read_json(bpath, "rollout buffer")
-                if int(b["version"]) == rn.version and int(b["journal_lines"]) >= offset:
-                    buf, offset, used = b["buffer"], int(b["journal_lines"]), int(b["prompts_used"])
-                    pending = b.get("pending")
-            restored = restored or buf is not None or self.journal_path.exists()
+        if rn.sampler is not None:  # a rank that generates: the newer buffer file, the journal, the routing
+            try:
+                bpath = self.dir / BUFFER
+                if bpath.exists():
+                    b = _read_json(bpath, "rollout buffer")
+                    if int(b["version"]) == rn.version and int(b["journal_lines"]) >= offset:
+                        buf, offset, used = b["buffer"], int(b["journal_lines"]), int(b["prompts_used"])
+                        pending = b.get("pending")
+                restored = restored or buf is not None or self.journal_path.exists()
+                if buf is not None:
+                    rn.buffer.load_state_dict(buf)
+                self._replay(offset)
+                if routing is not None:
+                    rn.sampler.load_state_dict(routing)
+            except ValueError as e:
+                if not self.separate:
+                    raise
+                err = str(e)
         if self.separate and self.rank <= T:  # the batch generated ahead, as the engines restored it
-            restored, pending = broadcast((restored, pending) if self.rank == T else None, T, rn._share_group)
+            mine = (restored, pending, err) if self.rank == T else None
+            restored, pending, err = broadcast(mine, T, rn._share_group)
+        if err:
+            raise ValueError(err)
         if not restored:
             return False
-        if buf is not None:
-            rn.buffer.load_state_dict(buf)
-        if rn.sampler is not None:
-            self._replay(offset)
-            if routing is not None:
-                rn.sampler.load_state_dict(routing)
         rn._pending = load_batch(pending)
         rn.load_extra_state(extra)
         rn.skip_prompts(used)

@@ -243,14 +243,12 @@ class RLCheckpoint:
                 st, err = broadcast((st, err), T, rn.engine_ps.host_group)
             if err:
                 raise ValueError(err)
-        mine = st
-        if st is not None and self.separate and rn.ps is None:  # an engine rank: the engines' side of it
-            mine = st["engines"]
         buf, offset, used, pending, routing, extra = None, 0, 0, None, None, {}
-        if st is not None:
-            rn.version, rn.history = int(st["version"]), list(mine["history"])
-            buf, offset, used = mine["buffer"], int(mine["journal_lines"]), int(mine["prompts_used"])
-            pending, routing, extra = mine.get("pending"), mine.get("routing"), st.get("extra") or {}
+        if st is not None:  # the generating side's part: the engines' (saved separate) or the one state
+            gen = st.get("engines") or st
+            rn.version, rn.history = int(st["version"]), list((st if rn.ps is not None else gen)["history"])
+            buf, offset, used = gen["buffer"], int(gen["journal_lines"]), int(gen["prompts_used"])
+            pending, routing, extra = gen.get("pending"), gen.get("routing"), st.get("extra") or {}
         restored = st is not None
         if rn.sampler is not None:  # a rank that generates: the newer buffer file, the journal, the routing
             try:

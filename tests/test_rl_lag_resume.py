@@ -230,3 +230,18 @@ def test_separate_resumes_exactly(case, separate):
     if CASES[case][2]["replicas"] == 2:  # both replicas were used, so the restored router decided something
         placed = separate[-1][case]["routing"][1]["placed"]
         assert {k for _, k in placed} == {0, 1}, placed
+
+
+def test_cli_keeps_a_lag1_run(straight_lag1, tmp_path, capsys):
+    """python -m megak3.posttrain with rl.rollout.lag=1 and train.run_dir: saved, and resumed by a rerun."""
+    from megak3.posttrain.__main__ import main
+
+    run = straight_lag1[0] / "run"
+    common = ["--init-from", str(run), "--eval-prompts", "2", "--threads", "1", "rl.iterations=2", "rl.prompts=2",
+              "rl.group_size=2", "rl.max_tokens=4", "rl.rollout.lag=1", f"train.run_dir={tmp_path / 'a'}"]
+    assert main(common) == 0
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").glob("step_*")) == ["step_00000002"]
+    assert main(common + ["rl.iterations=3", "train.resume=auto"]) == 0  # one more update, from version 2
+    assert "resumed at version 2" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").glob("step_*")) == ["step_00000002",
+                                                                                     "step_00000003"]

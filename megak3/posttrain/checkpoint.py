@@ -215,14 +215,14 @@ class RLCheckpoint:
     # -------------------------------------------------------------------------------------- restore
     def restore(self, spec: str = "auto") -> bool:
         """``train.resume`` (``auto``, ``none`` or a checkpoint path): load the state (module docstring);
-        False when there is nothing to restore. A file needing the full unpickler: ValueError, one line (on
-        every rank: with the separate placement the error of the side that read the file travels with the
-        broadcasts below, so no rank waits for another that raised). Every rank calls it. Separate placement, in this order: the trainer ranks read the checkpoint; trainer
-        rank 0 sends the RL state to the first engine rank (a broadcast over the trainer ranks and it), which
-        sends it to every engine rank (over the engine ranks' group); the engine ranks add the buffer file
-        and the journal; the first engine rank sends the batch generated ahead back to the trainer ranks (a
-        broadcast over the same group as the first); then every rank refits (the engines get their weights
-        from the restored policy: none are in the checkpoint twice)."""
+        False when there is nothing to restore. A file needing the full unpickler: ValueError, one line. Every
+        rank calls it. Separate placement, in this order: the trainer ranks read the checkpoint; trainer rank 0
+        sends the RL state to the first engine rank (a broadcast over the trainer ranks and it), which sends it
+        to every engine rank (over the engine ranks' group); the engine ranks add the buffer file and the
+        journal; the first engine rank sends the batch generated ahead back to the trainer ranks (a broadcast
+        over the same group as the first); then every rank refits (the engines get their weights from the
+        restored policy: none are in the checkpoint twice). An error of the side that read a file travels with
+        these broadcasts, so every rank raises its one line and none is left waiting for a rank that raised."""
         rn = self.runner
         if spec == "none":
             return False

@@ -44,6 +44,7 @@ order on every rank that takes part (:func:`broadcast`):
         every rank:                         refit (the engines' weights: none are in the checkpoint)
 
 The engine ranks write the journal and the buffer file (the first engine rank) and read them back at restore.
+A restore's broadcasts also carry an error raised by the side that read a file, so every rank raises it.
 
 Not built with ``separate`` or ``lag=1`` (refused in one line, :func:`check_run`): agentic episodes (``rl.env``);
 nor, with ``separate``, ``parallel.overlap_param_gather`` (its ZeRO-1 groups are made by a world collective the

@@ -125,7 +125,7 @@ def test_lag_control_differs(tok_path):  # noqa: F811
     (["rl.rollout.placement=separate"], "error: rl.rollout.placement=separate needs ranks of its own"),
     (["rl.rollout.lag=2"], "error: rl.rollout.lag=2 must be 0"),
     (["rl.rollout.placement=apart"], "error: rl.rollout.placement='apart' must be one of colocated, separate"),
-    (["rl.rollout.lag=1", "train.run_dir=r"], "error: train.run_dir=r with rl.rollout.lag=1"),
+    (["rl.rollout.placement=separate", "rl.env=ledger"], "error: rl.env=ledger with rl.rollout.placement=separate"),
     (["rl.rollout.lag=1", "rl.env=ledger"], "error: rl.env=ledger with rl.rollout.lag=1"),
 ])
 def test_bad_placement_is_one_line_exit_2(over, msg, capsys, tmp_path):

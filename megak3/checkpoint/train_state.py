@@ -88,13 +88,14 @@ class TrainCheckpoint:
             meta = {"step": step, **self.meta}
         self.writer.save(step, entries, objects=objects, common=common, meta=meta)
         if not self.async_save and ps.world_size > 1:
-            dist.barrier()  # nobody reads the checkpoint directory before it is complete
+            dist.barrier(group=ps.host_group)  # nobody reads the checkpoint directory before it is complete
+            # (host_group: this layout's ranks, e.g. an RL trainer's beside engine ranks of their own)
 
     def wait(self) -> None:
         """Block until a background save has been written and committed (every rank)."""
         self.writer.wait()
         if self.async_save and self.ps.world_size > 1:
-            dist.barrier()
+            dist.barrier(group=self.ps.host_group)
 
     @property
     def last_save_stats(self) -> dict:

@@ -76,6 +76,23 @@ class Rollout:
         self.finished, self.finish_reason, self.text = True, reason, text
 
 
+def batch_state(batch) -> Optional[dict]:
+    """A generated batch ``(record, groups of Rollouts)`` as plain JSON-able data (None stays None):
+    what a resumable run keeps of the batch generated ahead (``rl.rollout.lag=1``) and what the separate
+    placement sends to the trainer ranks."""
+    if batch is None:
+        return None
+    rec, groups = batch
+    return {"record": dict(rec), "groups": [[asdict(r) for r in g] for g in groups]}
+
+
+def load_batch(state: Optional[dict]) -> Optional[tuple]:
+    """The ``(record, groups)`` of :func:`batch_state` (plain data in, Rollouts out)."""
+    if state is None:
+        return None
+    return dict(state["record"]), [[Rollout(**d) for d in g] for g in state["groups"]]
+
+
 class RolloutBuffer:
     def __init__(self, group_size: int):
         if group_size < 1:

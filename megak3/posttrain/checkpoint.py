@@ -8,21 +8,30 @@ Layout of ``train.run_dir`` (the trainer's names)::
                                  step = the policy version. Atomic, per-shard, reshardable; read back as
                                  tensors, JSON and weights_only pickles (megak3/checkpoint/safe.py).
     tokenizer.json               the tokenizer (so ``--checkpoint RUN`` / ``--init-from RUN`` find it)
-    rl_buffer.json               the rollout buffer when new prompts joined (before generation), JSON
+    rl_buffer.json               the rollout buffer (and the batch generated ahead) when new prompts joined (before
+                                 generation), JSON
     finished.jsonl               a JSON line, flushed and fsync'ed, the moment a sample finishes
 
 The RL state (``common["train_data"]``, plain data): policy version, prompts drawn, journal offset (lines of
 ``finished.jsonl`` already in the checkpoint's buffer), the rollout buffer after the update (paused partial
-samples as token lists with their logprobs, versions and budgets), the history, and what a subclass adds
-(:meth:`RLRunner.extra_state`: the agentic driver and sandboxes). The writer also records the RNG state.
+samples as token lists with their logprobs, versions and budgets), the history, the batch generated ahead
+(``rl.rollout.lag=1``: its record and groups of finished samples), the routing (each GRPO group's replica, the
+router's cache model and work counts: engines.ReplicaRollouts.state_dict), and what a subclass adds
+(:meth:`RLRunner.extra_state`: the agentic driver and sandboxes). The writer also records the RNG state (of the
+trainer ranks; a sample's sampling seed is a function of ``rl.seed`` and its uid, so generation keeps none).
+With ``rl.rollout.placement=separate`` the trainer ranks write the checkpoint and its RL state also holds, under
+``engines``, the first engine rank's part (prompts drawn, journal offset, buffer, batch ahead, routing, history),
+sent to them at the save and back to every engine rank at restore (megak3/posttrain/placement.py gives the order);
+the first engine rank writes ``rl_buffer.json`` and ``finished.jsonl``.
 
 Restore (:meth:`RLCheckpoint.restore`): the newest complete checkpoint (``train.resume=auto``) or a named one;
 then ``rl_buffer.json`` when it is of the restored version and the same or a later journal offset; then every
 journal line after that offset is replayed into the buffer (a last line a kill cut short is skipped, any other
 line that is not a journaled sample is refused in one line). A sample finished before a kill is therefore in
-the restored buffer or was trained on by the restored policy. With synchronous rollouts
-(``rl.partial_fraction=1``) and a kill after a save, the rerun is exact (same samples, losses and weights): the
-buffer is empty at every save. Paused samples (partial rollouts) continue from their token lists by prefill
+the restored buffer or the restored batch ahead, or was trained on by the restored policy. With synchronous
+rollouts (``rl.partial_fraction=1``) and a kill after a save, the rerun is exact (same samples, losses and weights) at
+either placement and lag: the buffer is empty at every save (tests/test_rl_checkpoint.py,
+tests/test_rl_lag_resume.py). Paused samples (partial rollouts) continue from their token lists by prefill
 under the restored weights with a fresh sampling stream, so their continuation is not bitwise the one an
 uninterrupted run samples.
 
@@ -45,7 +54,8 @@ from ..checkpoint.atomic import write_bytes_durably
 from ..checkpoint.reader import CheckpointReader
 from ..checkpoint.train_state import TrainCheckpoint
 from ..checkpoint.writer import ShardEntry
-from .buffer import Rollout
+from .buffer import Rollout, batch_state, load_batch
+from .placement import broadcast, world_of
 
 BUFFER = "rl_buffer.json"
 JOURNAL = "finished.jsonl"
@@ -109,8 +119,8 @@ class _State:
 
     def state_dict(self) -> dict:
         rn = self.ck.runner
-        return {"version": rn.version, "prompts_used": rn.prompts_used, "journal_lines": self.ck.journal_lines,
-                "buffer": rn.buffer.state_dict(), "history": rn.history, "extra": rn.extra_state()}
+        return {"version": rn.version, **self.ck.side_state(), "extra": rn.extra_state(),
+                "engines": self.ck.engine_side}
 
     def load_state_dict(self, state: dict) -> None:
         self.ck.loaded = state
@@ -125,19 +135,29 @@ class RLCheckpoint:
         self.dir = Path(run_dir)
         refuse_legacy(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.rank = rn.ps.rank
+        rank, world = world_of(rn.ps, rn.rollout.placement)
+        self.rank, self.trainers = rank, rn.rollout.trainer_ranks(world)
+        self.separate = self.trainers < world
+        """engines on ranks of their own: their side's state travels to the trainer ranks at a save, back at restore"""
+        self.files = rank == rn.rollout.engine_offset(world)
+        """this rank (the first that generates) writes the journal and the buffer file"""
+        self.engine_side: Optional[dict] = None
+        """the first engine rank's :meth:`side_state` at the last save (separate placement, trainer ranks)"""
         self.save_interval = int(save_interval)
         self.journal_path = self.dir / JOURNAL
         self.journal_lines = self._count_lines()
         self.loaded: Optional[dict] = None
+        self.ckpt = None
         ps, job = rn.ps, rn.job
+        if ps is None:  # an engine rank of the separate placement: the trainer ranks write the checkpoint
+            return
         layout = {"tp": ps.tp_size, "cp": ps.cp_size, "dp": ps.dp_size, "ep": ps.ep_size, "pp": ps.pp_size,
                   "vp": job.parallel.vp, "sequence_parallel": rn.rs.plan.sequence_parallel}
         cfg = {"model": dataclasses.asdict(job.model), "quant": dataclasses.asdict(job.quant),
                "rl": dataclasses.asdict(rn.rl), **(config or {})}
         self.ckpt = _WithRef(self.dir / "checkpoints", rn.model, rn.rs.optimizer, rn.rs.plan, ps, _State(self),
                              rn.rs.device, layout, {"kind": "rl", "config": cfg}, keep_last=keep_last, ref=rn.ref_model)
-        if self.rank == 0:
+        if ps.rank == 0:
             tmp = self.dir / f"tokenizer.json.tmp-{os.getpid()}"
             rn.tokenizer.hf.save(str(tmp))
             os.replace(tmp, self.dir / "tokenizer.json")
@@ -147,10 +167,20 @@ class RLCheckpoint:
             return 0
         return sum(1 for _ in open(self.journal_path, "rb"))
 
+    def side_state(self) -> dict:
+        """This rank's part of the RL state, plain data: prompts drawn, journal offset, buffer, history, the
+        batch generated ahead (``rl.rollout.lag=1``) and the routing state (on a rank that generates)."""
+        rn = self.runner
+        gen = rn.sampler is not None
+        return {"prompts_used": rn.prompts_used, "journal_lines": self.journal_lines,
+                "buffer": rn.buffer.state_dict(), "history": rn.history,
+                "pending": batch_state(rn._pending) if gen else None,
+                "routing": rn.sampler.state_dict() if gen else None}
+
     # ------------------------------------------------------------------------------------- writes
     def journal(self, r: Rollout) -> None:
         self.journal_lines += 1
-        if self.rank != 0:
+        if not self.files:
             return
         with open(self.journal_path, "a") as f:
             f.write(json.dumps(dataclasses.asdict(r)) + "\n")
@@ -158,51 +188,106 @@ class RLCheckpoint:
             os.fsync(f.fileno())
 
     def save_buffer(self) -> None:
-        if self.rank != 0:
+        if not self.files:
             return
         rn = self.runner
         state = {"version": rn.version, "journal_lines": self.journal_lines, "prompts_used": rn.prompts_used,
-                 "buffer": rn.buffer.state_dict()}
+                 "buffer": rn.buffer.state_dict(), "pending": batch_state(rn._pending)}
         tmp = self.dir / f"{BUFFER}.tmp-{os.getpid()}"
         write_bytes_durably(tmp, json.dumps(state).encode())
         os.replace(tmp, self.dir / BUFFER)
 
     def after_update(self) -> bool:
-        """Save when the version is a multiple of the interval or the last; returns True when it saved."""
+        """Save when the version is a multiple of the interval or the last; returns True when it saved (every
+        rank calls it). Separate placement: the first engine rank's :meth:`side_state` goes to the trainer
+        ranks first (one broadcast over the trainer ranks and that engine rank), then the trainer ranks save."""
         rn = self.runner
         v = rn.version
         if v != rn.rl.iterations and not (self.save_interval and v % self.save_interval == 0):
             return False
-        self.ckpt.save(v)
+        if self.separate and self.rank <= self.trainers:
+            mine = self.side_state() if self.rank == self.trainers else None
+            self.engine_side = broadcast(mine, self.trainers, rn._share_group)
+        if self.ckpt is not None:
+            self.ckpt.save(v)
         return True
 
     # -------------------------------------------------------------------------------------- restore
     def restore(self, spec: str = "auto") -> bool:
         """``train.resume`` (``auto``, ``none`` or a checkpoint path): load the state (module docstring);
-        False when there is nothing to restore. A file needing the full unpickler: ValueError, one line."""
+        False when there is nothing to restore. A file needing the full unpickler: ValueError, one line. Every
+        rank calls it. Separate placement, in this order: the trainer ranks read the checkpoint; trainer rank 0
+        sends the RL state to the first engine rank (a broadcast over the trainer ranks and it), which sends it
+        to every engine rank (over the engine ranks' group); the engine ranks add the buffer file and the
+        journal; the first engine rank sends the batch generated ahead back to the trainer ranks (a broadcast
+        over the same group as the first); then every rank refits (the engines get their weights from the
+        restored policy: none are in the checkpoint twice). An error of the side that read a file travels with
+        these broadcasts, so every rank raises its one line and none is left waiting for a rank that raised."""
         rn = self.runner
         if spec == "none":
             return False
-        path, common = self.ckpt.resume(spec)
-        buf, offset, used, extra = None, 0, 0, {}
-        if common is not None:
-            st = self.loaded
-            rn.version, rn.history = int(st["version"]), list(st["history"])
-            buf, offset, used = st["buffer"], int(st["journal_lines"]), int(st["prompts_used"])
-            extra = st.get("extra") or {}
-        bpath = self.dir / BUFFER
-        if bpath.exists():
-            b = _read_json(bpath, "rollout buffer")
-            if int(b["version"]) == rn.version and int(b["journal_lines"]) >= offset:
-                buf, offset, used = b["buffer"], int(b["journal_lines"]), int(b["prompts_used"])
-        if common is None and buf is None and not self.journal_path.exists():
+        st, err = None, None
+        if self.ckpt is not None:
+            try:
+                _, common = self.ckpt.resume(spec)
+                st = self.loaded if common is not None else None
+            except ValueError as e:  # on every trainer rank alike (TrainCheckpoint.resume agrees)
+                if not self.separate:
+                    raise
+                err = str(e)
+        T = self.trainers
+        if self.separate:  # the engine ranks raise the trainer ranks' error instead of waiting for them
+            if self.rank <= T:
+                st, err = broadcast((st, err), 0, rn._share_group)
+            if self.rank >= T:
+                st, err = broadcast((st, err), T, rn.engine_ps.host_group)
+            if err:
+                raise ValueError(err)
+        buf, offset, used, pending, routing, extra = None, 0, 0, None, None, {}
+        if st is not None:  # the generating side's part: the engines' (saved separate) or the one state
+            gen = st.get("engines") or st
+            rn.version, rn.history = int(st["version"]), list((st if rn.ps is not None else gen)["history"])
+            buf, offset, used = gen["buffer"], int(gen["journal_lines"]), int(gen["prompts_used"])
+            pending, routing, extra = gen.get("pending"), gen.get("routing"), st.get("extra") or {}
+        restored = st is not None
+        if rn.sampler is not None:  # a rank that generates: the newer buffer file, the journal, the routing
+            try:
+                bpath = self.dir / BUFFER
+                if bpath.exists():
+                    b = _read_json(bpath, "rollout buffer")
+                    if int(b["version"]) == rn.version and int(b["journal_lines"]) >= offset:
+                        buf, offset, used = b["buffer"], int(b["journal_lines"]), int(b["prompts_used"])
+                        pending = b.get("pending")
+                restored = restored or buf is not None or self.journal_path.exists()
+                if buf is not None:
+                    rn.buffer.load_state_dict(buf)
+                self._replay(offset)
+                if routing is not None:
+                    rn.sampler.load_state_dict(routing)
+            except ValueError as e:
+                if not self.separate:
+                    raise
+                err = str(e)
+        if self.separate and self.rank <= T:  # the batch generated ahead, as the engines restored it
+            mine = (restored, pending, err) if self.rank == T else None
+            restored, pending, err = broadcast(mine, T, rn._share_group)
+        if err:
+            raise ValueError(err)
+        if not restored:
             return False
-        if buf is not None:
-            rn.buffer.load_state_dict(buf)
+        rn._pending = load_batch(pending)
+        rn.load_extra_state(extra)
+        rn.skip_prompts(used)
+        rn.refit()
+        return True
+
+    def _replay(self, offset: int) -> None:
+        """Every journal line is checked; a sample after ``offset`` still in the buffer takes its journaled state."""
+        rn = self.runner
         if self.journal_path.exists():
             with open(self.journal_path, "rb") as f:
                 lines = f.read().split(b"\n")
-            for n, line in enumerate(lines):  # every line is checked; those after the offset are replayed
+            for n, line in enumerate(lines):
                 if not line:
                     continue
                 try:
@@ -216,7 +301,3 @@ class RLCheckpoint:
                 if n >= offset and r.uid in rn.buffer.rollouts:
                     rn.buffer.rollouts[r.uid] = r
         self.journal_lines = self._count_lines()
-        rn.load_extra_state(extra)
-        rn.skip_prompts(used)
-        rn.refit()
-        return True

@@ -28,15 +28,31 @@ counts the lag in (a group is run to its end when it would otherwise be trained 
 late). Colocated at lag 1 runs the same order on one set of ranks (gen_k+1, then upd_k), which makes a
 one-process run the reference of the separate placement at either lag (tests/test_rl_placement.py).
 
-Not built with ``separate`` or ``lag=1`` (refused in one line, :func:`check_run`): agentic episodes (``rl.env``)
-and resumable runs (``train.run_dir``: the batch generated ahead is not in the checkpoint); nor, with
-``separate``, ``parallel.overlap_param_gather`` (its ZeRO-1 groups are made by a world collective the engine
-ranks do not take part in).
+Resumable runs (``train.run_dir``, megak3/posttrain/checkpoint.py) at either placement and lag: the RL state
+holds the batch generated ahead (the loop's ``_pending``, as plain data) and, with ``separate``, the engine side's
+state (buffer with paused samples, prompts drawn, journal offset, routing, history). Their collectives, in this
+order on every rank that takes part (:func:`broadcast`):
+
+    save (after refit_k, when version k is saved):
+        trainer ranks + first engine rank:  engine state from the first engine rank     (the sharing group)
+        trainer ranks:                      the TrainCheckpoint (its barrier over the trainer's ranks)
+    restore (before the first iteration):
+        trainer ranks:                      read the checkpoint (agreement over the trainer's ranks)
+        trainer ranks + first engine rank:  RL state from trainer rank 0                (the sharing group)
+        engine ranks:                       RL state from the first engine rank         (the engines' group)
+        trainer ranks + first engine rank:  (restored?, batch ahead) from the first engine rank (the sharing group)
+        every rank:                         refit (the engines' weights: none are in the checkpoint)
+
+The engine ranks write the journal and the buffer file (the first engine rank) and read them back at restore.
+A restore's broadcasts also carry an error raised by the side that read a file, so every rank raises it.
+
+Not built with ``separate`` or ``lag=1`` (refused in one line, :func:`check_run`): agentic episodes (``rl.env``);
+nor, with ``separate``, ``parallel.overlap_param_gather`` (its ZeRO-1 groups are made by a world collective the
+engine ranks do not take part in).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from datetime import timedelta
 from typing import List, Optional, Tuple
 
@@ -44,7 +60,7 @@ import torch.distributed as dist
 
 from parallel.state import ParallelState, init_parallel
 
-from .buffer import Rollout
+from .buffer import Rollout, batch_state, load_batch
 
 
 def world_of(ps: Optional[ParallelState], placement: str) -> Tuple[int, int]:
@@ -62,15 +78,11 @@ def world_of(ps: Optional[ParallelState], placement: str) -> Tuple[int, int]:
 
 def check_run(rl, par, run_dir: str = "") -> None:
     """Refuse (one line, naming the field) what the separate placement or the lag does not build
-    (``run_dir``: the run is to be resumable, ``train.run_dir``)."""
+    (``run_dir``: the run is to be resumable, ``train.run_dir``: built for every placement and lag)."""
     ro = rl.rollout
     what = "rl.rollout.placement=separate" if ro.placement == "separate" else "rl.rollout.lag=1"
     if ro.placement == "colocated" and ro.lag == 0:
         return
-    if run_dir:
-        raise ValueError(f"train.run_dir={run_dir} with {what}: resumable runs are built for colocated engines at "
-                         "lag 0 (the batch generated ahead is not checkpointed); drop train.run_dir or set "
-                         "rl.rollout.placement=colocated rl.rollout.lag=0")
     if rl.env:
         raise ValueError(f"rl.env={rl.env} with {what}: agentic episodes run with colocated engines at lag 0; "
                          "set rl.rollout.placement=colocated rl.rollout.lag=0")
@@ -126,12 +138,17 @@ def share(produced, trainers: int, group) -> Tuple[dict, List[List[Rollout]]]:
     if rank > trainers:
         return produced
     t0 = time.perf_counter()
-    box = [None]
-    if rank == trainers:
-        rec, groups = produced
-        box = [(rec, [[asdict(r) for r in g] for g in groups])]
+    box = [batch_state(produced) if rank == trainers else None]
     dist.broadcast_object_list(box, src=trainers, group=group)
     if rank == trainers:
         return produced
-    rec, groups = box[0]
-    return dict(rec, wait_s=time.perf_counter() - t0), [[Rollout(**d) for d in g] for g in groups]
+    rec, groups = load_batch(box[0])
+    return dict(rec, wait_s=time.perf_counter() - t0), groups
+
+
+def broadcast(obj, src: int, group):
+    """Rank ``src``'s ``obj`` (plain data) on every rank of ``group`` (each passes its own, ignored but
+    at ``src``): the resumable run's state between the trainer and the engine ranks (checkpoint.py)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]

@@ -309,7 +309,8 @@ class RLRunner:
 
         check_run(self.rl, self.job.parallel, run_dir=str(run_dir))
         self.state = RLCheckpoint(self, run_dir, save_interval, keep_last)
-        self.sampler.on_finish = self.state.journal
+        if self.sampler is not None:  # a rank that generates (not a trainer rank of the separate placement)
+            self.sampler.on_finish = self.state.journal
         return self.state.restore(resume)
 
     def extra_state(self) -> dict:

@@ -10,7 +10,11 @@ Each scheduler iteration admits waiting sequences (oldest first) while the batch
 pinned pages would not leave room falls back to a cold prefill, and a sequence that fits neither way
 waits), runs one prefill chunk of the oldest prefilling sequence (chunks end at KDA checkpoint
 boundaries so the state there can be saved), then one decode step over every decoding sequence as a
-ragged batch. Admission reserves only the prompt's pages (plus one for the first new token): a
+ragged batch. Prefilling sequences whose next chunk is that same computation (equal embeddings over an
+equal computed past: the K samples of one prompt, admitted together) keep its result, the chunk's MLA
+latents, KDA state and last logits, instead of recomputing it when their own turn comes: the schedule
+and every output are those of the engine without this, bit for bit (the forward is deterministic and
+its inputs are equal); ``cache_stats()["prefill_shared"]`` counts the prefill tokens so saved. Admission reserves only the prompt's pages (plus one for the first new token): a
 decoding sequence grows page by page, and when the pool runs out the newest sequence holding pages
 is *preempted by recompute* (paused sequences and sequences outside the current step first): its
 pages are freed (its committed blocks stay cached and evictable), and when it is admitted again it
@@ -34,6 +38,19 @@ from .sampling import make_generator, sample
 from .types import Completion, InferenceError, SamplingParams, Scored
 
 _ENGINE_IDS = itertools.count(1)
+_COLD = object()
+"""``SeqHandle.past`` of a sequence admitted without a prefix hit, before its first chunk (zero state, no pages)"""
+
+
+@dataclass(eq=False)
+class _Chunk:
+    """A prefill chunk's result, kept for the twins that take it: positions start .. end-1."""
+    start: int
+    end: int
+    past: object          # the ``past`` of a sequence after it
+    latents: torch.Tensor  # ModelRunner.read_latents of those positions
+    state: SeqState       # the KDA state after it
+    logits: torch.Tensor  # of its last position
 
 
 @dataclass(eq=False)
@@ -59,6 +76,8 @@ class SeqHandle:
     finish: Optional[str] = None
     stop_at: Optional[int] = None                       # text cut (stop string position)
     hit_tokens: int = 0
+    past: object = None                                 # the same object for sequences whose computed past is equal
+    shared: List["_Chunk"] = field(default_factory=list)   # chunks of its prefill a twin computed, to take in turn
     paused: bool = False
     preemptions: int = 0
     engine_id: int = 0
@@ -134,6 +153,7 @@ class Engine:
         self._engine_id = next(_ENGINE_IDS)
         self._live: Dict[int, SeqHandle] = {}   # begun, unfinished, not released; in begin order
         self.preemptions = 0
+        self.prefill_shared = 0   # prefill tokens a sequence took from its twin's chunk instead of recomputing
 
     @classmethod
     def from_pretrained(cls, path: str, *, device="cpu", dtype="float32", tokenizer=None,
@@ -285,7 +305,7 @@ class Engine:
 
     def cache_stats(self) -> dict:
         return {**self.cache.stats, **self.cache.cache_bytes(self.runner.page_bytes),
-                "preemptions": self.preemptions}
+                "preemptions": self.preemptions, "prefill_shared": self.prefill_shared}
 
     # ------------------------------------------------------------------------------- checks
     def _own(self, h) -> None:
@@ -364,7 +384,15 @@ class Engine:
             prefilling.append(h)
         if prefilling:   # a sequence whose prefill ends here decodes from the next iteration on
             h = prefilling[0]
+            twins = [] if h.shared else self._twins(h, prefilling[1:])
+            start = h.fed
             logits = self._prefill_chunk(h)
+            if twins:   # they take this result when their turn comes (in the same order as without it)
+                table = self.cache.seqs[h.id].table
+                chunk = _Chunk(start, h.fed, h.past, self.runner.read_latents(table, start, h.fed),
+                               self.runner.copy_state(h.state), logits)
+                for t in twins:
+                    t.shared.append(chunk)
             if h.fed == h.pre:
                 h.x0 = None
                 yield from self._emit(h, logits)
@@ -389,6 +417,7 @@ class Engine:
         self.cache.finish(h.id)
         h.state = h.x0 = None
         h.fed = 0
+        h.shared = []
         h.preemptions += 1
         self.preemptions += 1
 
@@ -453,6 +482,8 @@ class Engine:
             return False
         self.runner.execute(hit.actions)
         s.state = self.runner.load_state(hit.ckpt_pages) if hit.tokens else self.runner.new_state()
+        s.past = _COLD if not hit.tokens else object()
+        s.shared = []
         s.pre = pre
         s.fed = hit.tokens
         if not s.preemptions:
@@ -467,10 +498,26 @@ class Engine:
         end = bounds[0] if bounds else end
         self.runner.execute(self.cache.grow(s.id, end))
         table = self.cache.seqs[s.id].table
-        logits = self.runner.forward(s.x0[:, start:end], [s.state], [start], [table], all_logits)
+        if s.shared:   # a twin computed this chunk: take its result (what this forward would give)
+            c = s.shared.pop(0)
+            assert (c.start, c.end) == (start, end) and not all_logits
+            self.runner.write_latents(table, start, c.latents)
+            s.state, logits, s.past = self.runner.copy_state(c.state), c.logits[None], c.past
+            self.prefill_shared += end - start
+        else:
+            logits = self.runner.forward(s.x0[:, start:end], [s.state], [start], [table], all_logits)
+            s.past = object()   # its past now includes this chunk: equal only to its twins'
         s.fed = end
         self._after_forward(s)
         return logits[0]
+
+    def _twins(self, h: SeqHandle, others: List[SeqHandle]) -> List[SeqHandle]:
+        """The prefilling sequences whose next chunk (after the ones they hold) computes what ``h``'s
+        next chunk does: an equal computed past (``past``), position, prompt and embeddings."""
+        def ahead(t):
+            return (t.shared[-1].past, t.shared[-1].end) if t.shared else (t.past, t.fed)
+        return [t for t in others if ahead(t)[0] is h.past and ahead(t)[1] == h.fed and t.pre == h.pre
+                and t.tokens[:t.pre] == h.tokens[:h.pre] and torch.equal(t.x0, h.x0)]
 
     def _decode(self, seqs: List[SeqHandle]) -> torch.Tensor:
         for s in seqs:

@@ -132,6 +132,28 @@ class ModelRunner:
                 off += n
         return SeqState(S, tails)
 
+    def copy_state(self, st: SeqState) -> SeqState:
+        return SeqState([t.clone() for t in st.S], [t.clone() for t in st.tails])
+
+    def _latent_pool(self) -> torch.Tensor:
+        """The MLA part of the pool as [num_pages, n_mla, page_size, R]."""
+        return self.pool[:, :len(self.mla_idx) * self.page_size * self.R].view(
+            self.pool.shape[0], len(self.mla_idx), self.page_size, self.R)
+
+    def _slots(self, table: List[int], start: int, end: int):
+        pos = torch.arange(start, end, device=self.device)
+        return torch.as_tensor(table, device=self.device)[pos // self.page_size], pos % self.page_size
+
+    def read_latents(self, table: List[int], start: int, end: int) -> torch.Tensor:
+        """The cached MLA latents of positions start .. end-1 of a sequence's page table, [T, n_mla, R]."""
+        page, off = self._slots(table, start, end)
+        return self._latent_pool()[page, :, off]
+
+    def write_latents(self, table: List[int], start: int, latents: torch.Tensor) -> None:
+        """Store ``read_latents``' result at positions start .. start+T-1 of another page table."""
+        page, off = self._slots(table, start, start + latents.shape[0])
+        self._latent_pool()[page, :, off] = latents
+
     def execute(self, actions) -> None:
         """Run the cache manager's copies in order (host-tier write-backs and prefetches)."""
         for op, a, b in actions:

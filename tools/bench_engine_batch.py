@@ -77,10 +77,9 @@ def params(mod, i: int, n: int):
 def decode(mod, model, prompts, steps: int):
     """CPU seconds per scheduler iteration of len(prompts) decoding sequences; their outputs."""
     eng = engine(mod, model)
-    hs = [eng.begin(p, params(mod, i, steps + 8)) for i, p in enumerate(prompts)]
-    while any(h.fed < h.pre or not h.admitted for h in hs):
+    hs = [eng.begin(p, params(mod, i, steps + len(prompts) + 2)) for i, p in enumerate(prompts)]
+    while any(not h.token_ids for h in hs):   # one prefill per iteration: the first ones decode meanwhile
         eng.step(hs)
-    eng.step(hs)
     t0 = time.process_time()
     for _ in range(steps):
         eng.step(hs)

@@ -198,9 +198,8 @@ class ModelRunner:
             x = layer._mlp_input(partial, *blocks)
             f = layer._moe(x)[0] if layer.is_moe else layer.mlp(x)
             partial = partial + f
-        for n, st in enumerate(states):
-            st.S = [s[n] for s in S]
-            st.tails = [t[n] for t in tails]
+        for st, S_n, tails_n in zip(states, zip(*(s.unbind(0) for s in S)), zip(*(t.unbind(0) for t in tails))):
+            st.S, st.tails = list(S_n), list(tails_n)
         if not all_logits:
             partial, blocks = partial[:, -1:], tuple(b[:, -1:] for b in blocks)
         logits = model.head(partial, blocks)
@@ -215,10 +214,8 @@ class ModelRunner:
         pos_BT = torch.as_tensor(starts, device=dev)[:, None] + torch.arange(T, device=dev)
         ends = [s + T for s in starts]
         nb = -(-max(ends) // ps)
-        tab = torch.zeros(len(tables), nb, dtype=torch.long, device=dev)
-        for n, t in enumerate(tables):
-            need = -(-ends[n] // ps)
-            tab[n, :need] = torch.as_tensor(t[:need], device=dev)
+        rows = [list(t[:-(-e // ps)]) for t, e in zip(tables, ends)]
+        tab = torch.as_tensor([r + [0] * (nb - len(r)) for r in rows], dtype=torch.long, device=dev)
         page_BT = tab.gather(1, pos_BT // ps)
         key_pos = torch.arange(nb * ps, device=dev)
         mask_BTC = key_pos[None, None, :] <= pos_BT[:, :, None]   # causal; also hides padding

@@ -1,10 +1,9 @@
 """The RL policy update at any trainer layout: one optimizer step of the production RankStep.
 
 :func:`policy_update` (``RLRunner.update``): each data-parallel rank takes its contiguous slice of the
-update's samples and cuts it into micro-batches of ``rl.micro_batch_size`` rows, each padded to its longest
-row; without pipeline, context and expert parallelism the slice is sorted by length first (stable), so a
-long-tailed batch is not padded to its longest sample in every micro-batch (the loss is a sum over samples:
-the same up to rounding). Under pipeline, context
+update's samples, sorts them by length (stable: a long-tailed batch then pads to its longest sample in one
+micro-batch, not in every one; the loss is a sum over samples, the same up to rounding) and cuts them into
+micro-batches of ``rl.micro_batch_size`` rows, each padded to its longest row. Under pipeline, context
 or expert parallelism every rank runs the same number of micro-batches of one fixed shape ``[M, T]``
 (T: the update's longest sample, rounded up to the token shard ``tp (SP) x cp``), padded with masked rows:
 the pipeline's point-to-point payloads have fixed shapes and MoonEP's dispatch needs equal routed rows on
@@ -129,9 +128,8 @@ def policy_update(runner, samples: List[Rollout], adv_N: torch.Tensor) -> dict:
     cuts = [len(samples) * r // ps.dp_size for r in range(ps.dp_size + 1)]
     lo, hi = cuts[ps.dp_rank], cuts[ps.dp_rank + 1]
     mine, adv_mine = samples[lo:hi], adv_N[lo:hi]
-    if ps.pp_size == 1 and ps.cp_size == 1 and ps.ep_size == 1:   # free micro-batch shapes: pad little
-        order = sorted(range(len(mine)), key=lambda j: len(mine[j].prompt_ids) + len(mine[j].token_ids))
-        mine, adv_mine = [mine[j] for j in order], adv_mine[order]
+    order = sorted(range(len(mine)), key=lambda j: len(mine[j].prompt_ids) + len(mine[j].token_ids))
+    mine, adv_mine = [mine[j] for j in order], adv_mine[order]   # length-sorted micro-batches pad little
     dev = rs.device
     shard = (ps.tp_size if rs.plan.sequence_parallel else 1) * ps.cp_size
     if ps.cp_size > 1 and runner.job.parallel.cp_balance:

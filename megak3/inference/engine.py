@@ -12,9 +12,10 @@ waits), runs one prefill chunk of the oldest prefilling sequence (chunks end at 
 boundaries so the state there can be saved), then one decode step over every decoding sequence as a
 ragged batch. Prefilling sequences whose next chunk is that same computation (equal embeddings over an
 equal computed past: the K samples of one prompt, admitted together) keep its result, the chunk's MLA
-latents, KDA state and last logits, instead of recomputing it when their own turn comes: the schedule
-and every output are those of the engine without this, bit for bit (the forward is deterministic and
-its inputs are equal); ``cache_stats()["prefill_shared"]`` counts the prefill tokens so saved. Admission reserves only the prompt's pages (plus one for the first new token): a
+latents, KDA state and last logits, instead of recomputing it when their own turn comes (one chunk held
+at a time: a prompt longer than ``prefill_chunk`` shares its first chunk): the schedule and every output
+are those of the engine without this, bit for bit (the forward is deterministic and its inputs are
+equal); ``cache_stats()["prefill_shared"]`` counts the prefill tokens so saved. Admission reserves only the prompt's pages (plus one for the first new token): a
 decoding sequence grows page by page, and when the pool runs out the newest sequence holding pages
 is *preempted by recompute* (paused sequences and sequences outside the current step first): its
 pages are freed (its committed blocks stay cached and evictable), and when it is admitted again it
@@ -77,7 +78,7 @@ class SeqHandle:
     stop_at: Optional[int] = None                       # text cut (stop string position)
     hit_tokens: int = 0
     past: object = None                                 # the same object for sequences whose computed past is equal
-    shared: List["_Chunk"] = field(default_factory=list)   # chunks of its prefill a twin computed, to take in turn
+    shared: List["_Chunk"] = field(default_factory=list)   # the chunk of its prefill a twin computed (0 or 1)
     paused: bool = False
     preemptions: int = 0
     engine_id: int = 0
@@ -512,11 +513,11 @@ class Engine:
         return logits[0]
 
     def _twins(self, h: SeqHandle, others: List[SeqHandle]) -> List[SeqHandle]:
-        """The prefilling sequences whose next chunk (after the ones they hold) computes what ``h``'s
-        next chunk does: an equal computed past (``past``), position, prompt and embeddings."""
-        def ahead(t):
-            return (t.shared[-1].past, t.shared[-1].end) if t.shared else (t.past, t.fed)
-        return [t for t in others if ahead(t)[0] is h.past and ahead(t)[1] == h.fed and t.pre == h.pre
+        """The prefilling sequences whose next chunk computes what ``h``'s next chunk does: an equal
+        computed past (``past``), position, prompt and embeddings. A sequence holding a chunk already is
+        left out, so each holds at most one (memory: one chunk's latents and one KDA state per prompt;
+        a prompt longer than a chunk shares its first chunk, then each sample computes the rest)."""
+        return [t for t in others if not t.shared and t.past is h.past and t.fed == h.fed and t.pre == h.pre
                 and t.tokens[:t.pre] == h.tokens[:h.pre] and torch.equal(t.x0, h.x0)]
 
     def _decode(self, seqs: List[SeqHandle]) -> torch.Tensor:

@@ -69,6 +69,12 @@ def response_batch(samples: List[Rollout], pad_id: int, multiple: int = 1, rows:
             "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
 
 
+def by_length(samples: List[Rollout], adv_N: torch.Tensor):
+    """``samples`` and their advantages in order of length (prompt + response; stable)."""
+    order = sorted(range(len(samples)), key=lambda j: len(samples[j].prompt_ids) + len(samples[j].token_ids))
+    return [samples[j] for j in order], adv_N[order]
+
+
 def _segment(runner, t_BT: torch.Tensor) -> torch.Tensor:
     """This context-parallel rank's contiguous segment of every row (the rows unchanged without CP)."""
     ps = runner.ps
@@ -127,9 +133,7 @@ def policy_update(runner, samples: List[Rollout], adv_N: torch.Tensor) -> dict:
     M = rl.micro_batch_size
     cuts = [len(samples) * r // ps.dp_size for r in range(ps.dp_size + 1)]
     lo, hi = cuts[ps.dp_rank], cuts[ps.dp_rank + 1]
-    mine, adv_mine = samples[lo:hi], adv_N[lo:hi]
-    order = sorted(range(len(mine)), key=lambda j: len(mine[j].prompt_ids) + len(mine[j].token_ids))
-    mine, adv_mine = [mine[j] for j in order], adv_mine[order]   # length-sorted micro-batches pad little
+    mine, adv_mine = by_length(samples[lo:hi], adv_N[lo:hi])   # length-sorted micro-batches pad little
     dev = rs.device
     shard = (ps.tp_size if rs.plan.sequence_parallel else 1) * ps.cp_size
     if ps.cp_size > 1 and runner.job.parallel.cp_balance:

@@ -198,8 +198,9 @@ class ModelRunner:
             x = layer._mlp_input(partial, *blocks)
             f = layer._moe(x)[0] if layer.is_moe else layer.mlp(x)
             partial = partial + f
-        for st, S_n, tails_n in zip(states, zip(*(s.unbind(0) for s in S)), zip(*(t.unbind(0) for t in tails))):
-            st.S, st.tails = list(S_n), list(tails_n)
+        for n, st in enumerate(states):
+            st.S = [s[n] for s in S]
+            st.tails = [t[n] for t in tails]
         if not all_logits:
             partial, blocks = partial[:, -1:], tuple(b[:, -1:] for b in blocks)
         logits = model.head(partial, blocks)
@@ -214,8 +215,10 @@ class ModelRunner:
         pos_BT = torch.as_tensor(starts, device=dev)[:, None] + torch.arange(T, device=dev)
         ends = [s + T for s in starts]
         nb = -(-max(ends) // ps)
-        rows = [list(t[:-(-e // ps)]) for t, e in zip(tables, ends)]
-        tab = torch.as_tensor([r + [0] * (nb - len(r)) for r in rows], dtype=torch.long, device=dev)
+        tab = torch.zeros(len(tables), nb, dtype=torch.long, device=dev)
+        for n, t in enumerate(tables):
+            need = -(-ends[n] // ps)
+            tab[n, :need] = torch.as_tensor(t[:need], device=dev)
         page_BT = tab.gather(1, pos_BT // ps)
         key_pos = torch.arange(nb * ps, device=dev)
         mask_BTC = key_pos[None, None, :] <= pos_BT[:, :, None]   # causal; also hides padding
@@ -256,8 +259,7 @@ class ModelRunner:
         q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x_BTD))).view(N, T, H, nope + rope).float()
         c_kv, k_pe = attn.kv_a_proj_with_mqa(x_BTD).split([r, rope], dim=-1)
         entry = torch.cat([attn.kv_a_layernorm(c_kv), k_pe], -1).float()
-        pool = self.pool[:, :len(self.mla_idx) * self.page_size * self.R].view(
-            self.pool.shape[0], len(self.mla_idx), self.page_size, self.R)
+        pool = self._latent_pool()
         pool[page_BT, slot, off_BT] = entry.to(pool.dtype)
         lat_BCR = pool[tab, slot].reshape(N, -1, self.R)[:, :L].float()
         mask = mask_BTC[:, :, :L].unsqueeze(1)                       # [N, 1, T, L]

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Partial vs synchronous rollouts on a long-tailed (agent-like) response-length trace, same work, one run.
 
-    python tools/bench_rollout.py                 # 2-5 min on 2 shared CPU cores (3 modes)
+    python tools/bench_rollout.py                 # 3-10 min on 2 shared CPU cores (3 modes)
     python tools/bench_rollout.py --small         # seconds: checks that it runs and prints the ratios
 
 Every mode runs the real loop (megak3/posttrain/rl.py RLRunner: engine rollouts through PartialRollouts,

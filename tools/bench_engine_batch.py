@@ -15,7 +15,7 @@ fp32, one thread, the page size and pool of that bench), each run by both engine
   first token (one prefill chunk per scheduler iteration, the others decoding meanwhile). Printed: ms
   per sample.
 
-The baseline engine is megak3/inference/{types,sampling,cache,runner,engine}.py as of ``--baseline``
+The baseline engine is megak3/inference/{types,sampling,cache,runner,handles,engine}.py as of ``--baseline``
 (default: the commit before the prefill sharing), read with ``git show`` and imported beside the
 current ones (nothing is checked out). Both engines must produce the same tokens and logprobs bit for
 bit on every workload (checked; a difference exits 1). Times are CPU seconds of this process (the
@@ -37,7 +37,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 BASELINE = "450af82"
-MODULES = ("types", "sampling", "cache", "runner", "engine")
+MODULES = ("types", "sampling", "cache", "runner", "handles", "engine")   # in import order
+OPTIONAL = {"handles"}   # not at every revision
 
 
 def load_baseline(rev: str):
@@ -48,6 +49,8 @@ def load_baseline(rev: str):
     for name in MODULES:
         path = f"megak3/inference/{name}.py"
         src = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{path}"], capture_output=True, text=True)
+        if src.returncode and name in OPTIONAL:
+            continue
         if src.returncode:
             raise ValueError(f"--baseline {rev}: git show {path} failed: {src.stderr.strip()}")
         mod = types.ModuleType(f"{pkg.__name__}.{name}")

@@ -28,85 +28,17 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .cache import CacheConfig, CacheManager
-from .runner import ModelRunner, SeqState
+from .handles import COLD, PrefillChunk, SeqHandle
+from .runner import ModelRunner
 from .sampling import make_generator, sample
 from .types import Completion, InferenceError, SamplingParams, Scored
 
 _ENGINE_IDS = itertools.count(1)
-_COLD = object()
-"""``SeqHandle.past`` of a sequence admitted without a prefix hit, before its first chunk (zero state, no pages)"""
-
-
-@dataclass(eq=False)
-class _Chunk:
-    """A prefill chunk's result, kept for the twins that take it: positions start .. end-1."""
-    start: int
-    end: int
-    past: object          # the ``past`` of a sequence after it
-    latents: torch.Tensor  # ModelRunner.read_latents of those positions
-    state: SeqState       # the KDA state after it
-    logits: torch.Tensor  # of its last position
-
-
-@dataclass(eq=False)
-class SeqHandle:
-    """One sequence of an :class:`Engine` (``Engine.begin``). Read ``id``, ``prompt``, ``token_ids``,
-    ``logprobs``, ``top_logprobs`` (per token, when ``params.top_logprobs`` > 0: the k most likely
-    (id, logprob) of the distribution sampled), ``finish_reason``, ``finished``, ``paused``,
-    ``preemptions``; the engine owns the rest."""
-    id: int
-    """unique among the sequences of its engine, whoever began them"""
-    prompt: List[int]
-    params: SamplingParams
-    images: Optional[list] = None
-    max_new: int = 0
-    gen: Optional[torch.Generator] = None
-    tokens: List[int] = field(default_factory=list)     # prompt + generated
-    fed: int = 0                                        # tokens already through the model
-    pre: int = 0                                        # tokens to prefill (prompt; + generated after a preemption)
-    x0: Optional[torch.Tensor] = None                   # embeddings of tokens[:pre] while prefilling
-    state: Optional[SeqState] = None                    # None: waiting (not admitted, or preempted)
-    logprobs: List[float] = field(default_factory=list)
-    top_logprobs: List[list] = field(default_factory=list)   # per token [(id, logprob)] when params.top_logprobs
-    finish: Optional[str] = None
-    stop_at: Optional[int] = None                       # text cut (stop string position)
-    hit_tokens: int = 0
-    past: object = None                                 # the same object for sequences whose computed past is equal
-    shared: List["_Chunk"] = field(default_factory=list)   # the chunk of its prefill a twin computed (0 or 1)
-    paused: bool = False
-    preemptions: int = 0
-    engine_id: int = 0
-
-    @property
-    def out(self) -> List[int]:
-        return self.tokens[len(self.prompt):]
-
-    @property
-    def token_ids(self) -> List[int]:
-        """generated tokens so far"""
-        return self.out
-
-    @property
-    def finish_reason(self) -> Optional[str]:
-        """"stop", "length", "abort" or None while running"""
-        return self.finish
-
-    @property
-    def finished(self) -> bool:
-        return self.finish is not None
-
-    @property
-    def admitted(self) -> bool:
-        """whether it holds pages now (False while waiting, after a preemption and once finished)"""
-        return self.state is not None
-
-
 class Engine:
     """Generation over a K3 model (the module docstring; the contract in docs/INTERFACES.md).
 
@@ -390,7 +322,7 @@ class Engine:
             logits = self._prefill_chunk(h)
             if twins:   # they take this result when their turn comes (in the same order as without it)
                 table = self.cache.seqs[h.id].table
-                chunk = _Chunk(start, h.fed, h.past, self.runner.read_latents(table, start, h.fed),
+                chunk = PrefillChunk(start, h.fed, h.past, self.runner.read_latents(table, start, h.fed),
                                self.runner.copy_state(h.state), logits)
                 for t in twins:
                     t.shared.append(chunk)
@@ -483,7 +415,7 @@ class Engine:
             return False
         self.runner.execute(hit.actions)
         s.state = self.runner.load_state(hit.ckpt_pages) if hit.tokens else self.runner.new_state()
-        s.past = _COLD if not hit.tokens else object()
+        s.past = COLD if not hit.tokens else object()
         s.shared = []
         s.pre = pre
         s.fed = hit.tokens

@@ -1,4 +1,5 @@
-"""tools/bench_prefix_cache.py, tools/bench_decode.py and tools/bench_preempt.py run end to end with tiny arguments."""
+"""tools/bench_prefix_cache.py, tools/bench_decode.py, tools/bench_preempt.py and tools/bench_engine_batch.py run end
+to end with tiny arguments."""
 import contextlib
 import io
 import sys
@@ -6,6 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import bench_decode  # noqa: E402
+import bench_engine_batch  # noqa: E402
 import bench_prefix_cache  # noqa: E402
 import bench_preempt  # noqa: E402
 
@@ -41,7 +43,16 @@ def test_bench_preempt_tiny():
     assert "preempt / reserve: mean sequences at once" in out
 
 
+def test_bench_engine_batch_tiny():
+    rc, out = _run(bench_engine_batch.main, ["--batches", "1", "3", "--steps", "2", "--prompt", "5", "--group", "3",
+                                             "--repeat", "1"])
+    assert rc == 0 and "outputs (tokens, logprobs) of old and new: identical" in out, out
+    assert "ms per sequence" in out and "group start (3 samples" in out
+
+
 def test_bench_bad_arguments_exit_2():
     assert bench_decode.main(["--new", "0"]) == 2
     assert bench_prefix_cache.main(["--interval", "20", "--page-size", "16"]) == 2
     assert bench_preempt.main(["--pool", "0"]) == 2
+    assert bench_engine_batch.main(["--batches", "0"]) == 2
+    assert bench_engine_batch.main(["--baseline", "no-such-revision"]) == 2

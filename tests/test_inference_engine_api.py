@@ -211,3 +211,39 @@ def test_top_logprobs_come_from_the_sampled_distribution(model):
         assert c.logprobs[k] == pytest.approx(float(ref[c.token_ids[k]]), abs=1e-4)
     with pytest.raises(InferenceError, match="top_logprobs"):
         eng.begin(prompt, SamplingParams(top_logprobs=-1))
+
+
+@pytest.mark.parametrize("num_pages", [400, 40])
+def test_twins_take_the_prefill_chunk_and_change_no_output(model, num_pages, monkeypatch):
+    # three samples of a 3-chunk prompt (KDA checkpoints at 16 and 32), two of a 1-chunk one, and a
+    # lone prompt; the reference computes every chunk itself (no twins). 40 pages of 4 tokens: the
+    # pool overflows while decoding and twins are preempted and recomputed
+    opts = dict(page_size=4, checkpoint_interval=16, prefill_chunk=16, num_pages=num_pages)
+    prompts = [_ids(40, 1)] * 3 + [_ids(9, 2)] * 2 + [_ids(12, 3)]
+    params = [SamplingParams(max_tokens=12, temperature=0.8, seed=i, ignore_eos=True, top_logprobs=2)
+              for i in range(len(prompts))]
+
+    def run(engine):
+        hs = [engine.begin(p, sp) for p, sp in zip(prompts, params)]
+        for _ in range(3):
+            engine.step(hs)
+        for h in hs:                        # paused and resumed with chunks still held (as partial rollouts do)
+            engine.pause(h)
+        for h in hs:
+            engine.resume(h)
+        while any(not h.finished for h in hs):
+            engine.step(hs)
+        return [engine.completion(h) for h in hs], engine.cache_stats()
+
+    got, stats = run(Engine(model, **opts))
+    monkeypatch.setattr(Engine, "_twins", lambda self, h, others: [])
+    want, ref = run(Engine(model, **opts))
+    for g, w in zip(got, want):
+        assert (g.token_ids, g.logprobs, g.top_logprobs) == (w.token_ids, w.logprobs, w.top_logprobs)
+    assert ref.pop("prefill_shared") == 0
+    shared = stats.pop("prefill_shared")
+    assert stats == ref
+    if num_pages == 400:
+        assert shared == 2 * 16 + 9 and stats["preemptions"] == 0   # the first chunk of the 40-token prompt
+    else:
+        assert shared > 0 and stats["preemptions"] > 0

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Partial vs synchronous rollouts on a long-tailed (agent-like) response-length trace, same work, one run.
 
-    python tools/bench_rollout.py                 # 2-5 min on 2 shared CPU cores (3 modes)
+    python tools/bench_rollout.py                 # 3-10 min on 2 shared CPU cores (3 modes)
     python tools/bench_rollout.py --small         # seconds: checks that it runs and prints the ratios
 
 Every mode runs the real loop (megak3/posttrain/rl.py RLRunner: engine rollouts through PartialRollouts,
@@ -34,7 +34,7 @@ spent generating, when the colocated learner waits), the mean decode batch (sequ
 the decode-batch occupancy) and the update + refit seconds per update; then the ratios against the
 synchronous mode. The modes are interleaved iteration by iteration (the one with the least time so far
 goes next), so a change in the machine's load falls on all of them alike. Measured figures and why partial
-rollouts pay what they do here: README.md, "Post-training".
+rollouts pay what they do here: docs/POSTTRAIN.md, "Partial rollouts on a long tail".
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Generation from megak3 checkpoints: incremental decoding with a KDA-aware prefix cache.
 
     engine.py    Engine, SeqHandle: sequence handles, continuous batching, chunked prefill, preemption (the contract)
+    handles.py   SeqHandle (one sequence's record) and PrefillChunk (a prefill result kept for its prompt's twins)
     cache.py     CacheManager: pages, prefix-hash blocks, KDA checkpoints, LRU, host tier (no tensors)
     runner.py    ModelRunner: the incremental K3 forward over the paged pool (KDA state, absorbed MLA)
     sampling.py  greedy / temperature / top-k / top-p with per-request generators

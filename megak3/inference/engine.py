@@ -10,7 +10,12 @@ Each scheduler iteration admits waiting sequences (oldest first) while the batch
 pinned pages would not leave room falls back to a cold prefill, and a sequence that fits neither way
 waits), runs one prefill chunk of the oldest prefilling sequence (chunks end at KDA checkpoint
 boundaries so the state there can be saved), then one decode step over every decoding sequence as a
-ragged batch. Admission reserves only the prompt's pages (plus one for the first new token): a
+ragged batch. Prefilling sequences whose next chunk is that same computation (equal embeddings over an
+equal computed past: the K samples of one prompt, admitted together) keep its result, the chunk's MLA
+latents, KDA state and last logits, instead of recomputing it when their own turn comes (one chunk held
+at a time: a prompt longer than ``prefill_chunk`` shares its first chunk): the schedule and every output
+are those of the engine without this, bit for bit (the forward is deterministic and its inputs are
+equal); ``cache_stats()["prefill_shared"]`` counts the prefill tokens so saved. Admission reserves only the prompt's pages (plus one for the first new token): a
 decoding sequence grows page by page, and when the pool runs out the newest sequence holding pages
 is *preempted by recompute* (paused sequences and sequences outside the current step first): its
 pages are freed (its committed blocks stay cached and evictable), and when it is admitted again it
@@ -23,70 +28,17 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .cache import CacheConfig, CacheManager
-from .runner import ModelRunner, SeqState
+from .handles import COLD, PrefillChunk, SeqHandle
+from .runner import ModelRunner
 from .sampling import make_generator, sample
 from .types import Completion, InferenceError, SamplingParams, Scored
 
 _ENGINE_IDS = itertools.count(1)
-
-
-@dataclass(eq=False)
-class SeqHandle:
-    """One sequence of an :class:`Engine` (``Engine.begin``). Read ``id``, ``prompt``, ``token_ids``,
-    ``logprobs``, ``top_logprobs`` (per token, when ``params.top_logprobs`` > 0: the k most likely
-    (id, logprob) of the distribution sampled), ``finish_reason``, ``finished``, ``paused``,
-    ``preemptions``; the engine owns the rest."""
-    id: int
-    """unique among the sequences of its engine, whoever began them"""
-    prompt: List[int]
-    params: SamplingParams
-    images: Optional[list] = None
-    max_new: int = 0
-    gen: Optional[torch.Generator] = None
-    tokens: List[int] = field(default_factory=list)     # prompt + generated
-    fed: int = 0                                        # tokens already through the model
-    pre: int = 0                                        # tokens to prefill (prompt; + generated after a preemption)
-    x0: Optional[torch.Tensor] = None                   # embeddings of tokens[:pre] while prefilling
-    state: Optional[SeqState] = None                    # None: waiting (not admitted, or preempted)
-    logprobs: List[float] = field(default_factory=list)
-    top_logprobs: List[list] = field(default_factory=list)   # per token [(id, logprob)] when params.top_logprobs
-    finish: Optional[str] = None
-    stop_at: Optional[int] = None                       # text cut (stop string position)
-    hit_tokens: int = 0
-    paused: bool = False
-    preemptions: int = 0
-    engine_id: int = 0
-
-    @property
-    def out(self) -> List[int]:
-        return self.tokens[len(self.prompt):]
-
-    @property
-    def token_ids(self) -> List[int]:
-        """generated tokens so far"""
-        return self.out
-
-    @property
-    def finish_reason(self) -> Optional[str]:
-        """"stop", "length", "abort" or None while running"""
-        return self.finish
-
-    @property
-    def finished(self) -> bool:
-        return self.finish is not None
-
-    @property
-    def admitted(self) -> bool:
-        """whether it holds pages now (False while waiting, after a preemption and once finished)"""
-        return self.state is not None
-
-
 class Engine:
     """Generation over a K3 model (the module docstring; the contract in docs/INTERFACES.md).
 
@@ -134,6 +86,7 @@ class Engine:
         self._engine_id = next(_ENGINE_IDS)
         self._live: Dict[int, SeqHandle] = {}   # begun, unfinished, not released; in begin order
         self.preemptions = 0
+        self.prefill_shared = 0   # prefill tokens a sequence took from its twin's chunk instead of recomputing
 
     @classmethod
     def from_pretrained(cls, path: str, *, device="cpu", dtype="float32", tokenizer=None,
@@ -285,7 +238,7 @@ class Engine:
 
     def cache_stats(self) -> dict:
         return {**self.cache.stats, **self.cache.cache_bytes(self.runner.page_bytes),
-                "preemptions": self.preemptions}
+                "preemptions": self.preemptions, "prefill_shared": self.prefill_shared}
 
     # ------------------------------------------------------------------------------- checks
     def _own(self, h) -> None:
@@ -364,7 +317,15 @@ class Engine:
             prefilling.append(h)
         if prefilling:   # a sequence whose prefill ends here decodes from the next iteration on
             h = prefilling[0]
+            twins = [] if h.shared else self._twins(h, prefilling[1:])
+            start = h.fed
             logits = self._prefill_chunk(h)
+            if twins:   # they take this result when their turn comes (in the same order as without it)
+                table = self.cache.seqs[h.id].table
+                chunk = PrefillChunk(start, h.fed, h.past, self.runner.read_latents(table, start, h.fed),
+                               self.runner.copy_state(h.state), logits)
+                for t in twins:
+                    t.shared.append(chunk)
             if h.fed == h.pre:
                 h.x0 = None
                 yield from self._emit(h, logits)
@@ -389,6 +350,7 @@ class Engine:
         self.cache.finish(h.id)
         h.state = h.x0 = None
         h.fed = 0
+        h.shared = []
         h.preemptions += 1
         self.preemptions += 1
 
@@ -453,6 +415,8 @@ class Engine:
             return False
         self.runner.execute(hit.actions)
         s.state = self.runner.load_state(hit.ckpt_pages) if hit.tokens else self.runner.new_state()
+        s.past = COLD if not hit.tokens else object()
+        s.shared = []
         s.pre = pre
         s.fed = hit.tokens
         if not s.preemptions:
@@ -467,10 +431,26 @@ class Engine:
         end = bounds[0] if bounds else end
         self.runner.execute(self.cache.grow(s.id, end))
         table = self.cache.seqs[s.id].table
-        logits = self.runner.forward(s.x0[:, start:end], [s.state], [start], [table], all_logits)
+        if s.shared:   # a twin computed this chunk: take its result (what this forward would give)
+            c = s.shared.pop(0)
+            assert (c.start, c.end) == (start, end) and not all_logits
+            self.runner.write_latents(table, start, c.latents)
+            s.state, logits, s.past = self.runner.copy_state(c.state), c.logits[None], c.past
+            self.prefill_shared += end - start
+        else:
+            logits = self.runner.forward(s.x0[:, start:end], [s.state], [start], [table], all_logits)
+            s.past = object()   # its past now includes this chunk: equal only to its twins'
         s.fed = end
         self._after_forward(s)
         return logits[0]
+
+    def _twins(self, h: SeqHandle, others: List[SeqHandle]) -> List[SeqHandle]:
+        """The prefilling sequences whose next chunk computes what ``h``'s next chunk does: an equal
+        computed past (``past``), position, prompt and embeddings. A sequence holding a chunk already is
+        left out, so each holds at most one (memory: one chunk's latents and one KDA state per prompt;
+        a prompt longer than a chunk shares its first chunk, then each sample computes the rest)."""
+        return [t for t in others if not t.shared and t.past is h.past and t.fed == h.fed and t.pre == h.pre
+                and t.tokens[:t.pre] == h.tokens[:h.pre] and torch.equal(t.x0, h.x0)]
 
     def _decode(self, seqs: List[SeqHandle]) -> torch.Tensor:
         for s in seqs:

@@ -132,6 +132,28 @@ class ModelRunner:
                 off += n
         return SeqState(S, tails)
 
+    def copy_state(self, st: SeqState) -> SeqState:
+        return SeqState([t.clone() for t in st.S], [t.clone() for t in st.tails])
+
+    def _latent_pool(self) -> torch.Tensor:
+        """The MLA part of the pool as [num_pages, n_mla, page_size, R]."""
+        return self.pool[:, :len(self.mla_idx) * self.page_size * self.R].view(
+            self.pool.shape[0], len(self.mla_idx), self.page_size, self.R)
+
+    def _slots(self, table: List[int], start: int, end: int):
+        pos = torch.arange(start, end, device=self.device)
+        return torch.as_tensor(table, device=self.device)[pos // self.page_size], pos % self.page_size
+
+    def read_latents(self, table: List[int], start: int, end: int) -> torch.Tensor:
+        """The cached MLA latents of positions start .. end-1 of a sequence's page table, [T, n_mla, R]."""
+        page, off = self._slots(table, start, end)
+        return self._latent_pool()[page, :, off]
+
+    def write_latents(self, table: List[int], start: int, latents: torch.Tensor) -> None:
+        """Store ``read_latents``' result at positions start .. start+T-1 of another page table."""
+        page, off = self._slots(table, start, start + latents.shape[0])
+        self._latent_pool()[page, :, off] = latents
+
     def execute(self, actions) -> None:
         """Run the cache manager's copies in order (host-tier write-backs and prefetches)."""
         for op, a, b in actions:
@@ -237,8 +259,7 @@ class ModelRunner:
         q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x_BTD))).view(N, T, H, nope + rope).float()
         c_kv, k_pe = attn.kv_a_proj_with_mqa(x_BTD).split([r, rope], dim=-1)
         entry = torch.cat([attn.kv_a_layernorm(c_kv), k_pe], -1).float()
-        pool = self.pool[:, :len(self.mla_idx) * self.page_size * self.R].view(
-            self.pool.shape[0], len(self.mla_idx), self.page_size, self.R)
+        pool = self._latent_pool()
         pool[page_BT, slot, off_BT] = entry.to(pool.dtype)
         lat_BCR = pool[tab, slot].reshape(N, -1, self.R)[:, :L].float()
         mask = mask_BTC[:, :, :L].unsqueeze(1)                       # [N, 1, T, L]

@@ -1,7 +1,9 @@
 """The RL policy update at any trainer layout: one optimizer step of the production RankStep.
 
 :func:`policy_update` (``RLRunner.update``): each data-parallel rank takes its contiguous slice of the
-update's samples and cuts it into micro-batches of ``rl.micro_batch_size`` rows. Under pipeline, context
+update's samples, sorts them by length (stable: a long-tailed batch then pads to its longest sample in one
+micro-batch, not in every one; the loss is a sum over samples, the same up to rounding) and cuts them into
+micro-batches of ``rl.micro_batch_size`` rows, each padded to its longest row. Under pipeline, context
 or expert parallelism every rank runs the same number of micro-batches of one fixed shape ``[M, T]``
 (T: the update's longest sample, rounded up to the token shard ``tp (SP) x cp``), padded with masked rows:
 the pipeline's point-to-point payloads have fixed shapes and MoonEP's dispatch needs equal routed rows on
@@ -67,6 +69,12 @@ def response_batch(samples: List[Rollout], pad_id: int, multiple: int = 1, rows:
             "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
 
 
+def by_length(samples: List[Rollout], adv_N: torch.Tensor):
+    """``samples`` and their advantages in order of length (prompt + response; stable)."""
+    order = sorted(range(len(samples)), key=lambda j: len(samples[j].prompt_ids) + len(samples[j].token_ids))
+    return [samples[j] for j in order], adv_N[order]
+
+
 def _segment(runner, t_BT: torch.Tensor) -> torch.Tensor:
     """This context-parallel rank's contiguous segment of every row (the rows unchanged without CP)."""
     ps = runner.ps
@@ -125,7 +133,7 @@ def policy_update(runner, samples: List[Rollout], adv_N: torch.Tensor) -> dict:
     M = rl.micro_batch_size
     cuts = [len(samples) * r // ps.dp_size for r in range(ps.dp_size + 1)]
     lo, hi = cuts[ps.dp_rank], cuts[ps.dp_rank + 1]
-    mine, adv_mine = samples[lo:hi], adv_N[lo:hi]
+    mine, adv_mine = by_length(samples[lo:hi], adv_N[lo:hi])   # length-sorted micro-batches pad little
     dev = rs.device
     shard = (ps.tp_size if rs.plan.sequence_parallel else 1) * ps.cp_size
     if ps.cp_size > 1 and runner.job.parallel.cp_balance:

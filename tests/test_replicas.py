@@ -108,6 +108,45 @@ def test_a_session_returns_to_its_replica_and_hits_its_cache(replicated):
     assert c.get("/health").json() == {"status": "ok", "replicas": 2, "replicas_up": 2}
 
 
+def test_streamed_choices_begin_together_on_one_replica(replicated, monkeypatch):
+    """A streamed request's n choices are begun together in one worker: before the first token of the
+    request reaches the server, that worker has reported all n sequences live (its ``load`` message,
+    sent by the engine thread after the step that begins them); every token comes from that replica;
+    the texts equal one engine's (greedy, and seeded: choice k samples with seed + k)."""
+    c, client, engine, tok = replicated
+    seen = []                                  # (replica, message) in the order each reader thread got them
+    handle = client._handle
+
+    def record(rep, msg):
+        seen.append((rep.index, msg))
+        handle(rep, msg)
+
+    monkeypatch.setattr(client, "_handle", record)
+    for n, extra in ((2, {"temperature": 0}), (3, {"temperature": 0}),
+                     (2, {"temperature": 0.9, "seed": 7}), (3, {"temperature": 0.9, "seed": 11})):
+        deadline = time.time() + 30
+        while any(client.replica_stats(k).get("live_sequences") for k in range(2)) and time.time() < deadline:
+            time.sleep(0.02)
+        del seen[:]
+        body = {"prompt": "class Point:", "max_tokens": 5, "ignore_eos": True, "n": n, "stream": True, **extra}
+        r = c.post("/v1/completions", json=body)
+        texts = [""] * n
+        for e in r.text.split("\n\n"):
+            if e.startswith("data: {"):
+                ch = json.loads(e[6:])["choices"][0]
+                texts[ch["index"]] += ch["text"]
+        ref = engine.generate([tok.encode(body["prompt"])] * n,
+                              [SamplingParams(max_tokens=5, temperature=extra["temperature"], ignore_eos=True,
+                                              seed=None if "seed" not in extra else extra["seed"] + k)
+                               for k in range(n)])
+        assert texts == [x.text for x in ref], body
+        first = next(i for i, (_, m) in enumerate(seen) if m.get("op") == "token")
+        k = seen[first][0]
+        assert {rk for rk, m in seen if m.get("op") == "token"} == {k}, body       # one replica
+        live = [m["stats"].get("live_sequences", 0) for rk, m in seen[:first] if rk == k and m.get("op") == "load"]
+        assert max(live, default=0) == n, (body, live)          # all n begun before any token was sent
+
+
 def _kill_replica_0_during(c, client, body):
     """POST ``body`` routed to replica 0, SIGKILL that worker while the request is in flight; the response."""
     old_pid = client.reps[0].pid

@@ -5,7 +5,8 @@ engine's CPU work never runs on the event loop).
 Every engine call the server makes is in :class:`EngineClient`, on the engine's sequence API
 (``begin`` / ``step`` / ``abort`` / ``completion``). The engine thread loops:
 
-1. take every queued job (a non-streamed request's prompts and choices, or one streamed choice) and
+1. take every queued job (a non-streamed request's prompts and choices, or one streamed choice; the
+   streamed choices of one :meth:`EngineClient.streams` call are queued as one item) and
    ``begin`` each of its sequences; a refusal (``InferenceError``: a bad value, a request that
    cannot fit the pool even alone) fails that job alone; a call job (:meth:`EngineClient.call`, e.g.
    :meth:`EngineClient.score`, the server's ``echo`` prompt scoring) runs there and then, between two steps;
@@ -103,7 +104,7 @@ class EngineClient:
 
     def __init__(self, engine, metrics=None):
         self.engine, self.metrics = engine, metrics
-        self.q: "queue.Queue[Optional[_Job]]" = queue.Queue()
+        self.q: "queue.Queue[Any]" = queue.Queue()   # a _Job, a list of them (streams), None: stop
         self._jobs: List[_Job] = []                # begun, unfinished (engine thread only)
         self.steps = 0                             # engine.step calls made (engine thread)
         self.aborted = 0                           # sequences taken out unfinished (engine thread)
@@ -155,9 +156,20 @@ class EngineClient:
 
     def stream(self, req: Request) -> AsyncIterator[Tuple[int, float, list]]:
         """(token, logprob, top) per generated token as the engine makes it (a :class:`TokenStream`,
-        queued at once: streams made together are begun together); an engine refusal is raised by
-        the first ``__anext__``, before any token; closing the stream early aborts the sequence."""
-        return TokenStream(self._submit(True, [req], asyncio.Queue()))
+        queued at once); an engine refusal is raised by the first ``__anext__``, before any token;
+        closing the stream early aborts the sequence."""
+        return self.streams([req])[0]
+
+    def streams(self, reqs: List[Request]) -> List[TokenStream]:
+        """One :class:`TokenStream` per request (e.g. the ``n`` choices of a streamed request), queued
+        as one item: the engine thread begins them all in the same round, before its next step, so
+        they prefill and decode in the same batches. Each is closed (aborted) on its own."""
+        loop = asyncio.get_running_loop()
+        jobs = [_Job(True, [r], loop, asyncio.Queue()) for r in reqs]
+        if self.metrics and jobs:
+            self.metrics.waiting.inc(len(jobs))
+        self.q.put(jobs)
+        return [TokenStream(j) for j in jobs]
 
     # -------------------------------------------------------------------------------- engine side
     def _loop(self) -> None:
@@ -172,6 +184,7 @@ class EngineClient:
                 for j in list(self._jobs):
                     self._fail(j, RuntimeError("the server is shutting down"))
                 return
+            incoming = [j for x in incoming for j in (x if isinstance(x, list) else [x])]   # streams() puts a list
             try:
                 for j in incoming:
                     self._begin(j)

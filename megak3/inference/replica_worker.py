@@ -79,8 +79,14 @@ def serve(sock: socket.socket, engine) -> None:
          "num_pages": engine.cache.cfg.num_pages, "page_size": engine.cache.cfg.page_size,
          "checkpoint_interval": engine.cache.cfg.checkpoint_interval, "stats": client.cache_stats()})
 
-    closed = {}     # stream call id -> its choices cancelled one by one ("cancel" with "i")
-    pumps = {}      # stream call id -> {choice: the task sending its tokens}
+    closed = {}     # stream call id -> its choices cancelled one by one ("cancel" with "i") before it began
+    pumps = {}      # stream call id -> {choice: (the task sending its tokens, its TokenStream)}
+
+    def drop(rid, i):
+        """Cancel choice ``i`` of stream call ``rid`` alone (its sequence is aborted now)."""
+        t, s = pumps[rid][i]
+        t.cancel()
+        loop.create_task(s.aclose())      # a pump cancelled before it ran never closes its stream
 
     async def pump(rid, i, s):
         try:
@@ -94,11 +100,12 @@ def serve(sock: socket.socket, engine) -> None:
     async def stream(rid, reqs):
         """All choices of the call begun together (one ``streams`` item), their tokens sent as made."""
         streams = client.streams(reqs)
-        mine = pumps[rid] = {i: loop.create_task(pump(rid, i, s)) for i, s in enumerate(streams)}
+        mine = {i: loop.create_task(pump(rid, i, s)) for i, s in enumerate(streams)}
+        pumps[rid] = {i: (mine[i], s) for i, s in enumerate(streams)}
         try:
             for i in closed.pop(rid, ()):
                 if i in mine:
-                    mine[i].cancel()
+                    drop(rid, i)
             while True:
                 done, rest = await asyncio.wait(mine.values(), return_when=asyncio.FIRST_EXCEPTION)
                 err = next((t.exception() for t in done if not t.cancelled() and t.exception() is not None), None)
@@ -151,7 +158,7 @@ def serve(sock: socket.socket, engine) -> None:
             # one choice of a stream call (the others go on); before the call's body ran: noted for it
             rid, i = msg.get("id"), msg.get("i")
             if rid in pumps and i in pumps[rid]:
-                pumps[rid][i].cancel()
+                drop(rid, i)
             elif rid in tasks:
                 closed.setdefault(rid, set()).add(i)
             report()

@@ -155,7 +155,7 @@ def test_a_disconnect_before_the_worker_begins_never_reaches_its_engine(served):
 def test_one_streamed_choice_closed_early_is_cancelled_alone(served):
     """Of a prompt's 2 streamed choices (one worker call), the first is closed after its first token:
     the worker aborts that sequence alone, the other streams on to its end with the lone engine's
-    tokens, and nothing is left behind."""
+    tokens, and nothing is left behind; closed before its worker began the call, it never sends a token."""
     import asyncio
 
     from megak3.inference.engine_client import Request
@@ -174,9 +174,38 @@ def test_one_streamed_choice_closed_early_is_cancelled_alone(served):
 
     got = asyncio.run(go())
     engine = Engine.from_pretrained(str(run), checkpoint_interval=INTERVAL)
-    assert got == engine.generate([prompt], sps[1])[0].token_ids
+    want = engine.generate([prompt], sps[1])[0].token_ids
+    assert got == want
     _wait(lambda: _total(client, "aborted_sequences") == aborted + 1 and _idle(client), "the first choice aborted")
     assert _total(client, "aborted_sequences") == aborted + 1
+
+    # the same, closed before its worker began the call (both workers held): the worker reads the choice's
+    # cancel right behind the call and never sends one token of it
+    seen = []
+    handle = client._handle
+    client._handle = lambda rep, msg: (seen.append(msg), handle(rep, msg))
+    pids = [r.pid for r in client.reps]
+    aborted = _total(client, "aborted_sequences")
+
+    async def held():
+        for p in pids:
+            os.kill(p, signal.SIGSTOP)
+        try:
+            a, b = client.streams([Request(prompt, sps[0]), Request(prompt, sps[1])])
+            await a.aclose()
+        finally:
+            for p in pids:
+                os.kill(p, signal.SIGCONT)
+        return [t async for t, _, _ in b]
+
+    try:
+        assert asyncio.run(held()) == want
+        _wait(lambda: _idle(client), "idle")
+    finally:
+        del client._handle
+    assert not [m for m in seen if m.get("op") == "token" and m.get("i") == 0]
+    assert len([m for m in seen if m.get("op") == "token" and m.get("i") == 1]) == len(want)
+    assert _total(client, "aborted_sequences") - aborted in (0, 1)    # dropped before or after its begin
 
 
 def _serves_like_a_lone_engine(port, run, tok):

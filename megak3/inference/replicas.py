@@ -11,8 +11,9 @@ Routing (megak3/inference/router.py): each distinct prompt of a request is route
 budget and its image salt (the engine's: blake2b-128 over the images' fp32 bytes), and all ``n`` choices of
 that prompt go to the same replica (a GRPO-like group shares its prefix); a streamed request's choices go
 there in one ``stream`` call, begun together in its engine, each cancelled alone when closed early;
-streamed copies of a prompt (one ``stream`` call each) follow the first copy's replica. A scoring request (``echo``, :meth:`ReplicaClient.score`) reads no cache: it goes
-whole to the up replica with the fewest calls in flight. When a request finishes, the router records its
+streamed copies of a prompt (one ``stream`` call each) follow the first copy's replica. A scoring request
+(``echo``, :meth:`ReplicaClient.score`) reads no cache: it goes whole to the up replica with the fewest calls
+in flight. When a request finishes, the router records its
 prompt + output as cached on that replica, so the next turn of a session goes back there.
 
 A worker that dies fails its in-flight requests (the server answers them with a JSON 500), is marked

@@ -112,7 +112,8 @@ def test_streamed_choices_begin_together_on_one_replica(replicated, monkeypatch)
     """A streamed request's n choices are begun together in one worker: before the first token of the
     request reaches the server, that worker has reported all n sequences live (its ``load`` message,
     sent by the engine thread after the step that begins them); every token comes from that replica;
-    the texts equal one engine's (greedy, and seeded: choice k samples with seed + k)."""
+    the texts equal one engine's (greedy, and seeded: choice k samples with seed + k); a long prompt
+    is prefilled once there, the other n - 1 choices restoring its blocks from the prefix cache."""
     c, client, engine, tok = replicated
     seen = []                                  # (replica, message) in the order each reader thread got them
     handle = client._handle
@@ -122,13 +123,18 @@ def test_streamed_choices_begin_together_on_one_replica(replicated, monkeypatch)
         handle(rep, msg)
 
     monkeypatch.setattr(client, "_handle", record)
-    for n, extra in ((2, {"temperature": 0}), (3, {"temperature": 0}),
-                     (2, {"temperature": 0.9, "seed": 7}), (3, {"temperature": 0.9, "seed": 11})):
+    long = " def area(self): return self.w * self.h  # the rectangle's area, in square units"
+    for n, extra, prompt in ((2, {"temperature": 0}, "class Point:"), (3, {"temperature": 0}, "class Point:"),
+                             (2, {"temperature": 0.9, "seed": 7}, "class Point:"),
+                             (3, {"temperature": 0.9, "seed": 11}, "class Point:"),
+                             (3, {"temperature": 0}, "class Rect:" + long), (2, {"temperature": 0.9, "seed": 3},
+                                                                              "class Box:" + long)):
         deadline = time.time() + 30
         while any(client.replica_stats(k).get("live_sequences") for k in range(2)) and time.time() < deadline:
             time.sleep(0.02)
         del seen[:]
-        body = {"prompt": "class Point:", "max_tokens": 5, "ignore_eos": True, "n": n, "stream": True, **extra}
+        hits = [client.replica_stats(k).get("hit_tokens", 0) for k in range(2)]
+        body = {"prompt": prompt, "max_tokens": 5, "ignore_eos": True, "n": n, "stream": True, **extra}
         r = c.post("/v1/completions", json=body)
         texts = [""] * n
         for e in r.text.split("\n\n"):
@@ -145,6 +151,13 @@ def test_streamed_choices_begin_together_on_one_replica(replicated, monkeypatch)
         assert {rk for rk, m in seen if m.get("op") == "token"} == {k}, body       # one replica
         live = [m["stats"].get("live_sequences", 0) for rk, m in seen[:first] if rk == k and m.get("op") == "load"]
         assert max(live, default=0) == n, (body, live)          # all n begun before any token was sent
+        ids = tok.encode(prompt)
+        if len(ids) > INTERVAL:          # a new long prompt: prefilled once, the other n - 1 restore its blocks
+            deadline = time.time() + 10
+            while client.replica_stats(k).get("hit_tokens", 0) == hits[k] and time.time() < deadline:
+                time.sleep(0.02)
+            gained = client.replica_stats(k).get("hit_tokens", 0) - hits[k]
+            assert gained >= (n - 1) * ((len(ids) - 1) // INTERVAL * INTERVAL - INTERVAL) > 0, (body, gained)
 
 
 def _kill_replica_0_during(c, client, body):

@@ -160,6 +160,36 @@ def test_streamed_choices_begin_together_on_one_replica(replicated, monkeypatch)
             assert gained >= (n - 1) * ((len(ids) - 1) // INTERVAL * INTERVAL - INTERVAL) > 0, (body, gained)
 
 
+def test_one_engine_client_prefills_a_shared_long_prompt_once(replicated):
+    """The single-engine client (what each worker runs): a request's n choices of one long prompt,
+    streamed or not, are prefilled once (n - 1 restore the first's blocks: the engine's hit counter),
+    with the tokens of the engine's own ``generate``."""
+    import asyncio
+
+    from megak3.inference.engine_client import EngineClient, Request
+
+    c, client, engine, tok = replicated
+    prompts = [tok.encode(f"class Shape{i}: def area(self): return self.w * self.h  # in square units, rounded")
+               for i in range(2)]
+    sps = [SamplingParams(max_tokens=4, temperature=0.9, seed=k, ignore_eos=True) for k in range(3)]
+    ec = EngineClient(engine)
+    try:
+        before = ec.cache_stats()["hit_tokens"]
+
+        async def go():
+            got = [r.completion.token_ids for r in await ec.generate([Request(prompts[0], sp) for sp in sps])]
+            ss = ec.streams([Request(prompts[1], sp) for sp in sps])
+            return got, [[t async for t, _, _ in s] for s in ss]
+
+        got, streamed = asyncio.run(go())
+        gained = ec.cache_stats()["hit_tokens"] - before
+    finally:
+        ec.close()
+    assert got == [x.token_ids for x in engine.generate([prompts[0]] * 3, sps)]
+    assert streamed == [x.token_ids for x in engine.generate([prompts[1]] * 3, sps)]
+    assert gained >= 2 * 2 * ((len(prompts[0]) - 1) // INTERVAL * INTERVAL - INTERVAL) > 0, gained
+
+
 def _kill_replica_0_during(c, client, body):
     """POST ``body`` routed to replica 0, SIGKILL that worker while the request is in flight; the response."""
     old_pid = client.reps[0].pid

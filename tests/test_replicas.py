@@ -1,6 +1,7 @@
 """Engine replicas behind the cache-affine router (megak3/inference/replicas.py, ``serve --replicas N``):
 outputs through 2 worker processes equal one in-process engine's (greedy and seeded sampling, streams
-too); a multi-turn session returns to its replica and that engine reports a prefix hit; a killed
+too; a streamed request's n choices begun together on one replica, a long prompt prefilled once); a
+multi-turn session returns to its replica and that engine reports a prefix hit; a killed
 worker fails only its request (JSON 500), is restarted, and the server keeps serving; bad
 ``--replicas`` values are one line and exit 2."""
 import json

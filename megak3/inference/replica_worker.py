@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import select
 import socket
 import sys
 import threading
@@ -173,12 +174,21 @@ def serve(sock: socket.socket, engine) -> None:
         elif msg.get("op") in ("generate", "stream"):
             tasks[msg["id"]] = loop.create_task(run(msg))
 
+    def dispatch_all(msgs):
+        for m in msgs:
+            dispatch(m)
+
     def reader():
+        # the frames already in the socket go to the loop in one callback: a cancel right behind its call
+        # (a client that left before the worker read either) is dispatched before the call's task first
+        # runs, whatever the threads' timing, so that call never reaches the engine
         try:
             while True:
-                msg = recv(sock)
-                loop.call_soon_threadsafe(dispatch, msg)
-        except (WireClosed, OSError):
+                msgs = [recv(sock)]
+                while select.select([sock], [], [], 0)[0]:
+                    msgs.append(recv(sock))
+                loop.call_soon_threadsafe(dispatch_all, msgs)
+        except (WireClosed, OSError, ValueError):
             loop.call_soon_threadsafe(loop.stop)
 
     threading.Thread(target=reader, name="replica-reader", daemon=True).start()

@@ -1,6 +1,7 @@
 """Engine replicas behind the cache-affine router (megak3/inference/replicas.py, ``serve --replicas N``):
 outputs through 2 worker processes equal one in-process engine's (greedy and seeded sampling, streams
-too); a multi-turn session returns to its replica and that engine reports a prefix hit; a killed
+too; a streamed request's n choices begun together on one replica, a long prompt prefilled once); a
+multi-turn session returns to its replica and that engine reports a prefix hit; a killed
 worker fails only its request (JSON 500), is restarted, and the server keeps serving; bad
 ``--replicas`` values are one line and exit 2."""
 import json
@@ -106,6 +107,88 @@ def test_a_session_returns_to_its_replica_and_hits_its_cache(replicated):
     m = c.get("/metrics").text
     assert f'megak3_replica_routed_prefix_hit_tokens_total{{replica="{k1}"}}' in m
     assert c.get("/health").json() == {"status": "ok", "replicas": 2, "replicas_up": 2}
+
+
+def test_streamed_choices_begin_together_on_one_replica(replicated, monkeypatch):
+    """A streamed request's n choices are begun together in one worker: before the first token of the
+    request reaches the server, that worker has reported all n sequences live (its ``load`` message,
+    sent by the engine thread after the step that begins them); every token comes from that replica;
+    the texts equal one engine's (greedy, and seeded: choice k samples with seed + k); a long prompt
+    is prefilled once there, the other n - 1 choices restoring its blocks from the prefix cache."""
+    c, client, engine, tok = replicated
+    seen = []                                  # (replica, message) in the order each reader thread got them
+    handle = client._handle
+
+    def record(rep, msg):
+        seen.append((rep.index, msg))
+        handle(rep, msg)
+
+    monkeypatch.setattr(client, "_handle", record)
+    long = " def area(self): return self.w * self.h  # the rectangle's area, in square units"
+    for n, extra, prompt in ((2, {"temperature": 0}, "class Point:"), (3, {"temperature": 0}, "class Point:"),
+                             (2, {"temperature": 0.9, "seed": 7}, "class Point:"),
+                             (3, {"temperature": 0.9, "seed": 11}, "class Point:"),
+                             (3, {"temperature": 0}, "class Rect:" + long), (2, {"temperature": 0.9, "seed": 3},
+                                                                              "class Box:" + long)):
+        deadline = time.time() + 30
+        while any(client.replica_stats(k).get("live_sequences") for k in range(2)) and time.time() < deadline:
+            time.sleep(0.02)
+        del seen[:]
+        hits = [client.replica_stats(k).get("hit_tokens", 0) for k in range(2)]
+        body = {"prompt": prompt, "max_tokens": 5, "ignore_eos": True, "n": n, "stream": True, **extra}
+        r = c.post("/v1/completions", json=body)
+        texts = [""] * n
+        for e in r.text.split("\n\n"):
+            if e.startswith("data: {"):
+                ch = json.loads(e[6:])["choices"][0]
+                texts[ch["index"]] += ch["text"]
+        ref = engine.generate([tok.encode(body["prompt"])] * n,
+                              [SamplingParams(max_tokens=5, temperature=extra["temperature"], ignore_eos=True,
+                                              seed=None if "seed" not in extra else extra["seed"] + k)
+                               for k in range(n)])
+        assert texts == [x.text for x in ref], body
+        first = next(i for i, (_, m) in enumerate(seen) if m.get("op") == "token")
+        k = seen[first][0]
+        assert {rk for rk, m in seen if m.get("op") == "token"} == {k}, body       # one replica
+        live = [m["stats"].get("live_sequences", 0) for rk, m in seen[:first] if rk == k and m.get("op") == "load"]
+        assert max(live, default=0) == n, (body, live)          # all n begun before any token was sent
+        ids = tok.encode(prompt)
+        if len(ids) > INTERVAL:          # a new long prompt: prefilled once, the other n - 1 restore its blocks
+            deadline = time.time() + 10
+            while client.replica_stats(k).get("hit_tokens", 0) == hits[k] and time.time() < deadline:
+                time.sleep(0.02)
+            gained = client.replica_stats(k).get("hit_tokens", 0) - hits[k]
+            assert gained >= (n - 1) * ((len(ids) - 1) // INTERVAL * INTERVAL - INTERVAL) > 0, (body, gained)
+
+
+def test_one_engine_client_prefills_a_shared_long_prompt_once(replicated):
+    """The single-engine client (what each worker runs): a request's n choices of one long prompt,
+    streamed or not, are prefilled once (n - 1 restore the first's blocks: the engine's hit counter),
+    with the tokens of the engine's own ``generate``."""
+    import asyncio
+
+    from megak3.inference.engine_client import EngineClient, Request
+
+    c, client, engine, tok = replicated
+    prompts = [tok.encode(f"class Shape{i}: def area(self): return self.w * self.h  # in square units, rounded")
+               for i in range(2)]
+    sps = [SamplingParams(max_tokens=4, temperature=0.9, seed=k, ignore_eos=True) for k in range(3)]
+    ec = EngineClient(engine)
+    try:
+        before = ec.cache_stats()["hit_tokens"]
+
+        async def go():
+            got = [r.completion.token_ids for r in await ec.generate([Request(prompts[0], sp) for sp in sps])]
+            ss = ec.streams([Request(prompts[1], sp) for sp in sps])
+            return got, [[t async for t, _, _ in s] for s in ss]
+
+        got, streamed = asyncio.run(go())
+        gained = ec.cache_stats()["hit_tokens"] - before
+    finally:
+        ec.close()
+    assert got == [x.token_ids for x in engine.generate([prompts[0]] * 3, sps)]
+    assert streamed == [x.token_ids for x in engine.generate([prompts[1]] * 3, sps)]
+    assert gained >= 2 * 2 * ((len(prompts[0]) - 1) // INTERVAL * INTERVAL - INTERVAL) > 0, gained
 
 
 def _kill_replica_0_during(c, client, body):

@@ -2,7 +2,7 @@
 uvicorn socket: a client that hangs up mid-generation, streamed or not, one choice or n=2, gets its
 sequences aborted in the worker's engine (its aborted counter rises by the number of choices, no live
 sequence is left, every page is available again) and the router's outstanding work and the worker's
-calls go back to 0; a client that hangs up while its request has not reached an engine yet (the worker
+calls go back to 0 (one choice of a stream closed early is aborted alone); a client that hangs up while its request has not reached an engine yet (the worker
 held with SIGSTOP) never reaches one; a cancel of a finished or unknown call is ignored. Afterwards the server answers as a lone engine does."""
 import http.client
 import json
@@ -150,6 +150,62 @@ def test_a_disconnect_before_the_worker_begins_never_reaches_its_engine(served):
     assert [r.pid for r in client.reps] == pids and client.replicas_up() == 2
     _assert_idle_in_metrics(port, client)
     _serves_like_a_lone_engine(port, run, tok)
+
+
+def test_one_streamed_choice_closed_early_is_cancelled_alone(served):
+    """Of a prompt's 2 streamed choices (one worker call), the first is closed after its first token:
+    the worker aborts that sequence alone, the other streams on to its end with the lone engine's
+    tokens, and nothing is left behind; closed before its worker began the call, it never sends a token."""
+    import asyncio
+
+    from megak3.inference.engine_client import Request
+
+    port, client, run, tok = served
+    _wait(lambda: _idle(client), "idle at the start")
+    aborted = _total(client, "aborted_sequences")
+    prompt = tok.encode("def")
+    sps = [SamplingParams(max_tokens=CONTEXT - 48, ignore_eos=True), SamplingParams(max_tokens=12, ignore_eos=True)]
+
+    async def go():
+        a, b = client.streams([Request(prompt, sps[0]), Request(prompt, sps[1])])
+        await a.__anext__()                                   # mid-generation
+        await a.aclose()
+        return [t async for t, _, _ in b]
+
+    got = asyncio.run(go())
+    engine = Engine.from_pretrained(str(run), checkpoint_interval=INTERVAL)
+    want = engine.generate([prompt], sps[1])[0].token_ids
+    assert got == want
+    _wait(lambda: _total(client, "aborted_sequences") == aborted + 1 and _idle(client), "the first choice aborted")
+    assert _total(client, "aborted_sequences") == aborted + 1
+
+    # the same, closed before its worker began the call (both workers held): the worker reads the choice's
+    # cancel right behind the call and never sends one token of it
+    seen = []
+    handle = client._handle
+    client._handle = lambda rep, msg: (seen.append(msg), handle(rep, msg))
+    pids = [r.pid for r in client.reps]
+    aborted = _total(client, "aborted_sequences")
+
+    async def held():
+        for p in pids:
+            os.kill(p, signal.SIGSTOP)
+        try:
+            a, b = client.streams([Request(prompt, sps[0]), Request(prompt, sps[1])])
+            await a.aclose()
+        finally:
+            for p in pids:
+                os.kill(p, signal.SIGCONT)
+        return [t async for t, _, _ in b]
+
+    try:
+        assert asyncio.run(held()) == want
+        _wait(lambda: _idle(client), "idle")
+    finally:
+        del client._handle
+    assert not [m for m in seen if m.get("op") == "token" and m.get("i") == 0]
+    assert len([m for m in seen if m.get("op") == "token" and m.get("i") == 1]) == len(want)
+    assert _total(client, "aborted_sequences") - aborted in (0, 1)    # dropped before or after its begin
 
 
 def _serves_like_a_lone_engine(port, run, tok):

@@ -5,14 +5,17 @@ engine's CPU work never runs on the event loop).
 Every engine call the server makes is in :class:`EngineClient`, on the engine's sequence API
 (``begin`` / ``step`` / ``abort`` / ``completion``). The engine thread loops:
 
-1. take every queued job (a non-streamed request's prompts and choices, or one streamed choice) and
+1. take every queued job (a non-streamed request's prompts and choices, or one streamed choice; the
+   streamed choices of one :meth:`EngineClient.streams` call are queued as one item) and
    ``begin`` each of its sequences; a refusal (``InferenceError``: a bad value, a request that
    cannot fit the pool even alone) fails that job alone; a call job (:meth:`EngineClient.call`, e.g.
    :meth:`EngineClient.score`, the server's ``echo`` prompt scoring) runs there and then, between two steps;
 2. ``abort`` the sequences of every job whose client went away (streamed or not: the engine frees
    their pages at once);
 3. ``step`` every live sequence of every job: streamed and non-streamed sequences share each
-   prefill / decode batch, and the engine admits waiting ones as pages allow;
+   prefill / decode batch, and the engine admits waiting ones as pages allow; of the sequences begun
+   in one round with the same long prompt (a request's ``n`` choices), all but the first are paused
+   until the first has its first token, then restore its prompt from the prefix cache;
 4. hand each (token, logprob, top) to its job's asyncio queue (``loop.call_soon_threadsafe``); a
    non-streamed job gets its :class:`Result` list once all its sequences have finished.
 
@@ -103,10 +106,11 @@ class EngineClient:
 
     def __init__(self, engine, metrics=None):
         self.engine, self.metrics = engine, metrics
-        self.q: "queue.Queue[Optional[_Job]]" = queue.Queue()
+        self.q: "queue.Queue[Any]" = queue.Queue()   # a _Job, a list of them (streams), None: stop
         self._jobs: List[_Job] = []                # begun, unfinished (engine thread only)
         self.steps = 0                             # engine.step calls made (engine thread)
         self.aborted = 0                           # sequences taken out unfinished (engine thread)
+        self._held: Dict[int, tuple] = {}          # leader id -> (leader, sequences paused for its prefix)
         self._snapshot(ended=True)                 # written by the engine thread only, read by /metrics
         self.thread = threading.Thread(target=self._loop, name="megak3-engine", daemon=True)
         self.thread.start()
@@ -155,9 +159,20 @@ class EngineClient:
 
     def stream(self, req: Request) -> AsyncIterator[Tuple[int, float, list]]:
         """(token, logprob, top) per generated token as the engine makes it (a :class:`TokenStream`,
-        queued at once: streams made together are begun together); an engine refusal is raised by
-        the first ``__anext__``, before any token; closing the stream early aborts the sequence."""
-        return TokenStream(self._submit(True, [req], asyncio.Queue()))
+        queued at once); an engine refusal is raised by the first ``__anext__``, before any token;
+        closing the stream early aborts the sequence."""
+        return self.streams([req])[0]
+
+    def streams(self, reqs: List[Request]) -> List[TokenStream]:
+        """One :class:`TokenStream` per request (e.g. the ``n`` choices of a streamed request), queued
+        as one item: the engine thread begins them all in the same round, before its next step, so
+        they prefill and decode in the same batches. Each is closed (aborted) on its own."""
+        loop = asyncio.get_running_loop()
+        jobs = [_Job(True, [r], loop, asyncio.Queue()) for r in reqs]
+        if self.metrics and jobs:
+            self.metrics.waiting.inc(len(jobs))
+        self.q.put(jobs)
+        return [TokenStream(j) for j in jobs]
 
     # -------------------------------------------------------------------------------- engine side
     def _loop(self) -> None:
@@ -172,11 +187,17 @@ class EngineClient:
                 for j in list(self._jobs):
                     self._fail(j, RuntimeError("the server is shutting down"))
                 return
+            incoming = [j for x in incoming for j in (x if isinstance(x, list) else [x])]   # streams() puts a list
             try:
+                new: list = []
                 for j in incoming:
+                    n0 = len(j.handles)
                     self._begin(j)
+                    new += j.handles[n0:]
+                self._share_prefixes(new)
                 for j in [j for j in self._jobs if j.cancel.is_set()]:
                     self._end(j, abort=True)
+                self._resume_held()
                 if self._jobs:
                     self._step()
             except Exception as e:  # noqa: BLE001 - a fault fails the running jobs; the thread goes on
@@ -205,8 +226,33 @@ class EngineClient:
             return
         self._jobs.append(job)
 
+    def _share_prefixes(self, handles: list) -> None:
+        """Of the sequences begun in one round with the same prompt (no images) longer than one KDA
+        checkpoint interval (e.g. a request's ``n`` choices), the first prefills it and the others are
+        paused until it has its first token: its prompt's blocks are then in the prefix cache, and they
+        restore them instead of prefilling the same prompt side by side."""
+        cache = self.engine.cache
+        if not cache.reuse:
+            return
+        first: Dict[tuple, Any] = {}
+        for h in handles:
+            if h.finish is not None or h.images or len(h.prompt) <= cache.cfg.checkpoint_interval:
+                continue
+            lead = first.setdefault(tuple(h.prompt), h)
+            if lead is not h:
+                self.engine.pause(h)
+                self._held.setdefault(lead.id, (lead, []))[1].append(h)
+
+    def _resume_held(self) -> None:
+        """Resume the sequences held for a leader that has its first token (or has ended)."""
+        for lid, (lead, held) in list(self._held.items()):
+            if lead.finish is not None or lead.token_ids:
+                del self._held[lid]
+                for h in held:
+                    self.engine.resume(h)
+
     def _step(self) -> None:
-        live = [h for j in self._jobs for h in j.handles if not h.finished]
+        live = [h for j in self._jobs for h in j.handles if not h.finished and not h.paused]
         t0 = time.perf_counter()
         try:
             out = self.engine.step(live)

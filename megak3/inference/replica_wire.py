@@ -5,10 +5,12 @@ worker can hand the server nothing but numbers, strings and lists).
 A frame is a 4-byte big-endian length then that many bytes of UTF-8 JSON (one object). Messages,
 server -> worker: ``{"id", "op": "generate" | "stream", "reqs": [request]}``, ``{"id", "op": "score",
 "seqs": [[token id]], "temperature"}`` (the ``echo`` prompt scoring, megak3/inference/scoring.py), ``{"id",
-"op": "cancel"}``; worker -> server: ``{"op": "hello", ...engine facts}`` once, then ``{"id", "op":
-"result", "results": [result]}``, ``{"id", "op": "scores", "logprobs": [[float]]}`` (``len(seq) - 1``
-finite values per sequence), ``{"id", "op": "token", "t", "lp", "top"}`` per streamed token,
-``{"id", "op": "end"}``, ``{"id", "op": "error", "kind": "inference" | "fault", "message"}``, and
+"op": "cancel"}`` (a whole call), ``{"id", "op": "cancel", "i"}`` (choice ``i`` of a stream call alone);
+worker -> server: ``{"op": "hello", ...engine facts}`` once, then ``{"id", "op": "result", "results":
+[result]}``, ``{"id", "op": "scores", "logprobs": [[float]]}`` (``len(seq) - 1`` finite values per
+sequence), ``{"id", "op": "token", "i", "t", "lp", "top"}`` per streamed token of the call's request
+``i`` (a stream call carries the choices of one prompt, begun together), ``{"id", "op": "end", "i"}``
+per choice, ``{"id", "op": "error", "kind": "inference" | "fault", "message"}`` (the whole call), and
 ``{"op": "load", "running", "waiting", "calls", "stats"}`` whenever its engine thread starts or ends a
 call and on every ``cancel`` (``calls``: the calls it holds). A ``cancel`` of a call the worker no longer
 holds (finished, or never received) changes nothing else.

@@ -5,7 +5,8 @@ over the socket it inherited (megak3/inference/replica_wire.py: JSON frames, no 
         [--threads 1] [--checkpoint-interval 512]
 
 Inside, an :class:`megak3.inference.engine_client.EngineClient` (the server's single-engine adapter)
-runs the jobs it receives, streamed or not, in shared decode steps on the engine's sequence API
+runs the jobs it receives, streamed or not (a stream call's choices are begun together, their tokens
+sent as each is made, tagged with the choice's index), in shared decode steps on the engine's sequence API
 (``begin`` / ``step`` / ``abort``), and the ``score`` jobs (``echo``) on its engine thread, exactly as the
 one-engine server does. Started by
 :class:`megak3.inference.replicas.ReplicaClient`; it exits when the server closes the socket.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import select
 import socket
 import sys
 import threading
@@ -78,6 +80,47 @@ def serve(sock: socket.socket, engine) -> None:
          "num_pages": engine.cache.cfg.num_pages, "page_size": engine.cache.cfg.page_size,
          "checkpoint_interval": engine.cache.cfg.checkpoint_interval, "stats": client.cache_stats()})
 
+    closed = {}     # stream call id -> its choices cancelled one by one ("cancel" with "i") before it began
+    pumps = {}      # stream call id -> {choice: (the task sending its tokens, its TokenStream)}
+
+    def drop(rid, i):
+        """Cancel choice ``i`` of stream call ``rid`` alone (its sequence is aborted now)."""
+        t, s = pumps[rid][i]
+        t.cancel()
+        loop.create_task(s.aclose())      # a pump cancelled before it ran never closes its stream
+
+    async def pump(rid, i, s):
+        try:
+            async for t, lp, top in s:
+                put({"id": rid, "op": "token", "i": i, "t": int(t), "lp": float(lp),
+                     "top": [[int(a), float(v)] for a, v in top]})
+        finally:
+            await s.aclose()              # cancelled (or failed): the engine aborts the sequence
+        put({"id": rid, "op": "end", "i": i})
+
+    async def stream(rid, reqs):
+        """All choices of the call begun together (one ``streams`` item), their tokens sent as made."""
+        streams = client.streams(reqs)
+        mine = {i: loop.create_task(pump(rid, i, s)) for i, s in enumerate(streams)}
+        pumps[rid] = {i: (mine[i], s) for i, s in enumerate(streams)}
+        try:
+            for i in closed.pop(rid, ()):
+                if i in mine:
+                    drop(rid, i)
+            while True:
+                done, rest = await asyncio.wait(mine.values(), return_when=asyncio.FIRST_EXCEPTION)
+                err = next((t.exception() for t in done if not t.cancelled() and t.exception() is not None), None)
+                if err is not None:
+                    raise err
+                if not rest:
+                    return
+        finally:
+            pumps.pop(rid, None)
+            for t in mine.values():
+                t.cancel()
+            for s in streams:             # a pump cancelled before it ran never closes its stream
+                await s.aclose()
+
     async def run(msg):
         rid = msg["id"]
         try:
@@ -86,20 +129,14 @@ def serve(sock: socket.socket, engine) -> None:
                 res = await client.generate(reqs)
                 put({"id": rid, "op": "result", "results": [result_out(r) for r in res]})
             else:
-                agen = client.stream(reqs[0])
-                try:
-                    async for t, lp, top in agen:
-                        put({"id": rid, "op": "token", "t": int(t), "lp": float(lp),
-                             "top": [[int(i), float(v)] for i, v in top]})
-                finally:
-                    await agen.aclose()
-                put({"id": rid, "op": "end"})
+                await stream(rid, reqs)
         except asyncio.CancelledError:
             pass
         except Exception as e:  # noqa: BLE001 - the request's error goes back to the server
             put(error_out(rid, e))
         finally:
             tasks.pop(rid, None)
+            closed.pop(rid, None)
             report()
 
     async def score(msg):
@@ -118,22 +155,40 @@ def serve(sock: socket.socket, engine) -> None:
     def dispatch(msg):
         if msg.get("op") == "score":
             tasks[msg["id"]] = loop.create_task(score(msg))
+        elif msg.get("op") == "cancel" and msg.get("i") is not None:
+            # one choice of a stream call (the others go on); before the call's body ran: noted for it
+            rid, i = msg.get("id"), msg.get("i")
+            if rid in pumps and i in pumps[rid]:
+                drop(rid, i)
+            elif rid in tasks:
+                closed.setdefault(rid, set()).add(i)
+            report()
         elif msg.get("op") == "cancel":
             # popped here: a task cancelled before its first step never runs its body (nor its finally),
             # so a cancel that arrives right behind its call leaves nothing behind and reaches no engine
             t = tasks.pop(msg.get("id"), None)
+            closed.pop(msg.get("id"), None)
             if t is not None:
                 t.cancel()
             report()
         elif msg.get("op") in ("generate", "stream"):
             tasks[msg["id"]] = loop.create_task(run(msg))
 
+    def dispatch_all(msgs):
+        for m in msgs:
+            dispatch(m)
+
     def reader():
+        # the frames already in the socket go to the loop in one callback: a cancel right behind its call
+        # (a client that left before the worker read either) is dispatched before the call's task first
+        # runs, whatever the threads' timing, so that call never reaches the engine
         try:
             while True:
-                msg = recv(sock)
-                loop.call_soon_threadsafe(dispatch, msg)
-        except (WireClosed, OSError):
+                msgs = [recv(sock)]
+                while select.select([sock], [], [], 0)[0]:
+                    msgs.append(recv(sock))
+                loop.call_soon_threadsafe(dispatch_all, msgs)
+        except (WireClosed, OSError, ValueError):
             loop.call_soon_threadsafe(loop.stop)
 
     threading.Thread(target=reader, name="replica-reader", daemon=True).start()

@@ -9,9 +9,11 @@ either way). The server itself reads only the model config and the tokenizer, ne
 
 Routing (megak3/inference/router.py): each distinct prompt of a request is routed once by its ids, its decode
 budget and its image salt (the engine's: blake2b-128 over the images' fp32 bytes), and all ``n`` choices of
-that prompt go to the same replica (a GRPO-like group shares its prefix); streamed copies of a prompt follow
-the first copy's replica. A scoring request (``echo``, :meth:`ReplicaClient.score`) reads no cache: it goes
-whole to the up replica with the fewest calls in flight. When a request finishes, the router records its
+that prompt go to the same replica (a GRPO-like group shares its prefix); a streamed request's choices go
+there in one ``stream`` call, begun together in its engine, each cancelled alone when closed early;
+streamed copies of a prompt (one ``stream`` call each) follow the first copy's replica. A scoring request
+(``echo``, :meth:`ReplicaClient.score`) reads no cache: it goes whole to the up replica with the fewest calls
+in flight. When a request finishes, the router records its
 prompt + output as cached on that replica, so the next turn of a session goes back there.
 
 A worker that dies fails its in-flight requests (the server answers them with a JSON 500), is marked
@@ -31,12 +33,13 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from .engine_client import ClientDisconnected, Request, Result
+from .replica_stream import ReplicaStream, StreamGroup
 from .replica_wire import WireClosed, recv, request_out, result_in, scores_in, send
 from .router import Router
 from .types import InferenceError
@@ -60,8 +63,9 @@ def image_salt(images) -> bytes:
 class _Call:
     replica: int
     loop: asyncio.AbstractEventLoop
-    out: Any                          # asyncio.Future (generate) | asyncio.Queue (stream)
+    out: Any                          # asyncio.Future (generate, score) | [asyncio.Queue] per choice (stream)
     seqs: Any = None                  # a score call's sequences (its answer is checked against them)
+    ended: set = field(default_factory=set)   # a stream call's choices whose "end" came
 
 
 class _ProcessLink:
@@ -374,11 +378,13 @@ class ReplicaClient:
             raise ReplicaDied(f"engine replica {k} is down: {e}") from None
         return cid
 
-    def _cancel(self, cid: int) -> None:
-        call = self.pending.pop(cid, None)
+    def _cancel(self, cid: int, choice: Optional[int] = None) -> None:
+        """Cancel call ``cid`` in its worker (``choice``: that choice of a stream call alone)."""
+        call = self.pending.get(cid) if choice is not None else self.pending.pop(cid, None)
         if call is not None:
             try:
-                self.reps[call.replica].send({"id": cid, "op": "cancel"})
+                self.reps[call.replica].send({"id": cid, "op": "cancel"} if choice is None
+                                             else {"id": cid, "op": "cancel", "i": choice})
             except (OSError, ReplicaDied):
                 pass
 
@@ -468,52 +474,61 @@ class ReplicaClient:
                 self._cancel(cid)
             self.pending.pop(cid, None)
 
-    async def stream(self, req: Request) -> AsyncIterator[Tuple[int, float, list]]:
+    def stream(self, req: Request) -> ReplicaStream:
         """(token, logprob, top) per token from the replica the router picks (copies of one prompt:
-        the first copy's replica)."""
-        salt = image_salt(req.images)
-        prev = self._sticky.get(id(req.prompt))
-        replica = prev[1] if prev is not None and prev[0] is req.prompt else None
-        k, ticket = self._route(req.prompt, req.params.max_tokens, salt, replica)
-        self._sticky[id(req.prompt)] = (req.prompt, k)
-        self._sticky.move_to_end(id(req.prompt))
+        the first copy's replica); the call is sent at once. :meth:`streams` of one request."""
+        return self.streams([req])[0]
+
+    def streams(self, reqs: List[Request]) -> List[ReplicaStream]:
+        """One :class:`ReplicaStream` per request, sent at once (from a coroutine): the requests of one
+        prompt (the same list object: a streamed request's ``n`` choices) are routed once and go to
+        their replica in one ``stream`` call, whose worker begins them together (they share the
+        prompt's prefix and the decode batches); a prompt streamed again (``stream`` per copy) follows
+        its first copy's replica. Close each (``aclose``): an unfinished one is cancelled alone."""
+        groups: "OrderedDict[int, List[int]]" = OrderedDict()
+        for i, r in enumerate(reqs):
+            groups.setdefault(id(r.prompt), []).append(i)
+        out: List[Optional[ReplicaStream]] = [None] * len(reqs)
+        sent: List[StreamGroup] = []
+        try:
+            for idx in groups.values():
+                g = self._stream_call([reqs[i] for i in idx])
+                sent.append(g)
+                for j, i in enumerate(idx):
+                    out[i] = ReplicaStream(g, j)
+        except BaseException:
+            for g in sent:
+                for j in range(g.n):
+                    g.leave(j, finished=False)
+            raise
+        return out
+
+    def _stream_call(self, reqs: List[Request]) -> StreamGroup:
+        first = reqs[0]
+        salt = image_salt(first.images)
+        prev = self._sticky.get(id(first.prompt))
+        replica = prev[1] if prev is not None and prev[0] is first.prompt else None
+        k, ticket = self._route(first.prompt, sum(r.params.max_tokens for r in reqs), salt, replica)
+        self._sticky[id(first.prompt)] = (first.prompt, k)
+        self._sticky.move_to_end(id(first.prompt))
         while len(self._sticky) > 256:
             self._sticky.popitem(last=False)
-        aq: asyncio.Queue = asyncio.Queue()
-        toks: List[int] = []
-        arrived, finished = time.perf_counter(), False
+        queues = [asyncio.Queue() for _ in reqs]
         try:
-            cid = self._call(k, "stream", [req], aq)
+            cid = self._call(k, "stream", reqs, queues)
         except ReplicaDied:
             self._done(ticket, k, salt, [])
             raise
-        try:
-            while True:
-                item = await aq.get()
-                if item is None:
-                    finished = True
-                    if self.metrics:
-                        self.metrics.finished(len(toks), 1, time.perf_counter() - arrived)
-                    return
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                if not toks and self.metrics:
-                    self.metrics.ttft.observe(time.perf_counter() - arrived)
-                toks.append(item[0])
-                yield item
-        finally:
-            if not finished:
-                self._cancel(cid)
-            self.pending.pop(cid, None)
-            self._done(ticket, k, salt, [req.prompt + toks])
+        return StreamGroup(self, cid, k, ticket, salt, first.prompt, queues)
 
     # ------------------------------------------------------------------------------ reader threads
     @staticmethod
-    def _deliver(call: _Call, value, last: bool) -> None:
+    def _deliver(call: _Call, value, last: bool, i: Optional[int] = None) -> None:
+        """``value`` to the call's caller: a stream call's choice ``i`` (None: every choice), or its future."""
         def put():
-            if isinstance(call.out, asyncio.Queue):
-                call.out.put_nowait(value)
+            if isinstance(call.out, list):
+                for q in (call.out if i is None else call.out[i:i + 1]):
+                    q.put_nowait(value)
             elif not call.out.done():
                 (call.out.set_exception if isinstance(value, BaseException) else call.out.set_result)(value)
         try:
@@ -548,8 +563,14 @@ class ReplicaClient:
             return
         if op == "token":
             self._deliver(call, (int(msg["t"]), float(msg["lp"]), [(int(i), float(v)) for i, v in msg["top"]]),
-                          False)
+                          False, int(msg.get("i", 0)))
             return
+        if op == "end" and isinstance(call.out, list):      # one choice of a stream call
+            i = int(msg.get("i", 0))
+            call.ended.add(i)
+            self._deliver(call, None, True, i)
+            if len(call.ended) < len(call.out):
+                return
         self.pending.pop(cid, None)
         if op == "result":
             self._deliver(call, [result_in(x) for x in msg["results"]], True)
@@ -558,8 +579,6 @@ class ReplicaClient:
                 self._deliver(call, scores_in(msg, call.seqs), True)
             except (ValueError, KeyError) as e:
                 self._deliver(call, RuntimeError(f"engine replica {rep.index}: {e}"), True)
-        elif op == "end":
-            self._deliver(call, None, True)
         elif op == "error":
             err = InferenceError(msg["message"]) if msg.get("kind") == "inference" else RuntimeError(msg["message"])
             self._deliver(call, err, True)

@@ -335,7 +335,7 @@ class OpenAIService:
             return CompletionResponse(id=rid, created=created, model=self.model_name, choices=[
                 CompletionChoice(index=k, text=text, finish_reason=finish, logprobs=lp)]).model_dump()
 
-        streams = [self.client.stream(r) for r in reqs]   # every choice joins the batch now
+        streams = self.client.streams(reqs)   # every choice joins the batch now (a prompt's n choices together)
         try:
             heads = []
             for s in streams:   # an engine refusal surfaces here, before the first event (and headers)

@@ -129,7 +129,7 @@ class RankStep:
         local_tokens = sum(int((b["labels"] != -100).sum()) for b in micro)  # host batches: no sync
         # images and their LM tokens ride in the same all-reduce (for the log line)
         counts = torch.tensor([float(local_tokens), float(sum(b.get("num_images", 0) for b in micro)),
-                               float(sum(b.get("vision_tokens", 0) for b in micro))], dtype=torch.float64)
+                               float(sum(b.get("vision_tokens", 0) for b in micro))], dtype=torch.float64, device="cpu")
         micro, (dp_counts,) = batches_to_device(micro, self.device, [counts])  # the step's one H2D copy
         dp_counts = all_reduce_sum(dp_counts, [ps.dp_group])
         step_tokens = dp_counts[:1]

@@ -149,7 +149,7 @@ def block_work(doc_ids_BT: Optional[torch.Tensor], T: int, blocks: int) -> Optio
     if doc_ids_BT is None:
         return None
     d = doc_ids_BT.cpu()
-    t = torch.arange(T, device=d.device).expand_as(d)
+    t = torch.arange(T, device="cpu").expand_as(d)
     start = torch.ones_like(d, dtype=torch.bool)
     start[:, 1:] = d[:, 1:] != d[:, :-1]
     first = torch.where(start, t, torch.zeros_like(t)).cummax(dim=1).values

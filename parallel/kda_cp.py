@@ -238,7 +238,7 @@ def conv_halo_seq_info(pos_in_doc_BT: Optional[torch.Tensor], kernel: int, devic
     n = kernel - 1
     pos = torch.cat([pos_in_doc_BT.new_zeros(B, n), pos_in_doc_BT], 1)
     flat = pos.reshape(-1)
-    idx = torch.arange(flat.numel(), device=flat.device)                # host index math (flat is on the host)
+    idx = torch.arange(flat.numel(), device="cpu")                # host index math (flat is on the host)
     starts = idx[(flat == 0) | (idx % (T + n) == 0)]
     cu = torch.nn.functional.pad(starts, (0, 1), value=flat.numel())   # + the stream's end
     seq = SeqInfo(B, T + n, cu.to(torch.int32), None, pos, cu_seqlens_host=cu)
@@ -274,7 +274,7 @@ def cp_local_docs(cu_seqlens: Optional[torch.Tensor], batch: int, seqlen: int, c
     seq = make_seq_info(batch, seqlen, cu_seqlens)
     pos_BT = seq.pos_in_doc_BT[:, rank * T:(rank + 1) * T].contiguous()
     flat = pos_BT.reshape(-1)
-    idx = torch.arange(flat.numel(), device=flat.device)
+    idx = torch.arange(flat.numel(), device="cpu")
     starts = idx[(flat == 0) | (idx % T == 0)]
     cu = torch.nn.functional.pad(starts, (0, 1), value=flat.numel()).to(torch.int32)  # + the stream's end
     return CPDocs(cu, [bool(p > 0) for p in pos_BT[:, 0].tolist()], pos_BT)

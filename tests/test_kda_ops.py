@@ -300,7 +300,9 @@ def test_kda_layer_one_head_one_token():
 
     torch.manual_seed(0)
     cfg = load_model_config("k3_tiny", **{**SMALL_MODEL, "kda.num_heads": 1})
-    layer = KimiDeltaAttention(cfg)
+    from megak3.model.init import init_model
+
+    layer = init_model(KimiDeltaAttention(cfg), seed=0)  # its parameters are made empty: initialise them
     x = torch.randn(2, 3, cfg.hidden_size)
     whole = layer(x, make_seq_info(2, 3, None, x.device))
     first = layer(x[:, :1], make_seq_info(2, 1, None, x.device))

@@ -17,7 +17,8 @@ at a time: a prompt longer than ``prefill_chunk`` shares its first chunk): the s
 are those of the engine without this, bit for bit (the forward is deterministic and its inputs are
 equal); ``cache_stats()["prefill_shared"]`` counts the prefill tokens so saved. A sequence begun while an
 earlier one with its prompt (longer than a checkpoint interval) has no token yet is *held* out of admission
-until that one has (megak3/inference/prompt_holds.py), then restores the prompt from the prefix cache. Admission reserves only the prompt's pages (plus one for the first new token): a
+until that one has (megak3/inference/prompt_holds.py), then restores the prompt from the prefix cache.
+Admission reserves only the prompt's pages (plus one for the first new token): a
 decoding sequence grows page by page, and when the pool runs out the newest sequence holding pages
 is *preempted by recompute* (paused sequences and sequences outside the current step first): its
 pages are freed (its committed blocks stay cached and evictable), and when it is admitted again it
@@ -34,7 +35,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .cache import CacheConfig, CacheManager
-from . import prompt_holds
+from .prompt_holds import admissible, find_leader, salt as prompt_salt
 from .handles import COLD, PrefillChunk, SeqHandle
 from .runner import ModelRunner
 from .sampling import make_generator, sample
@@ -286,7 +287,7 @@ class Engine:
                                  f"prompt plus {max_new} new tokens; raise cache.num_pages")
         h = self._handle(list(p), sp, list(images) if images else None, max_new)
         if self.share_prompts and self.cache.reuse and len(p) > self.cache.cfg.checkpoint_interval:
-            h.lead = prompt_holds.find_leader(h, self._live.values())
+            h.lead = find_leader(h, self._live.values())
         self._live[h.id] = h
         return h
 
@@ -313,7 +314,7 @@ class Engine:
     # ----------------------------------------------------------------------------- schedule
     def _iterate(self, active: List[SeqHandle]):
         """One scheduler iteration over ``active`` (oldest first); yields (seq, token, logprob)."""
-        waiting = prompt_holds.admissible([h for h in active if h.state is None], active)
+        waiting = admissible([h for h in active if h.state is None], active)
         prefilling = [h for h in active if h.state is not None and h.fed < h.pre]
         decoding = [h for h in active if h.state is not None and h.fed >= h.pre]
         for h in waiting:
@@ -411,7 +412,7 @@ class Engine:
 
     def _begin(self, s: SeqHandle, lookup: bool = True, headroom: int = 0) -> bool:
         """Pages, prefix-cache restore and prompt embeddings for ``s``; False when it does not fit now."""
-        salt = prompt_holds.salt(s)
+        salt = prompt_salt(s)
         pre = len(s.tokens)
         grow = 1 if self.preempt else max(1, s.max_new - len(s.out))   # pages for the first token / all
         hit = self.cache.begin(s.id, s.tokens[:pre], grow, salt, lookup=lookup, headroom=headroom)

@@ -11,9 +11,10 @@ pinned pages would not leave room falls back to a cold prefill, and a sequence t
 waits), runs one prefill chunk of the oldest prefilling sequence (chunks end at KDA checkpoint
 boundaries so the state there can be saved), then one decode step over every decoding sequence as a
 ragged batch. Prefilling sequences whose next chunk is that same computation (equal embeddings over an
-equal computed past: the K samples of one prompt, admitted together) keep its result, the chunk's MLA
-latents, KDA state and last logits, instead of recomputing it when their own turn comes (one chunk held
-at a time: a prompt longer than ``prefill_chunk`` shares its first chunk): the schedule and every output
+equal computed past: the K samples of one prompt admitted together, cold or on the same cached blocks)
+keep its result, the chunk's MLA latents, KDA state and last logits, instead of recomputing it when their
+own turn comes (one chunk held at a time: a prompt longer than ``prefill_chunk`` shares its first chunk
+after the admission): the schedule and every output
 are those of the engine without this, bit for bit (the forward is deterministic and its inputs are
 equal); ``cache_stats()["prefill_shared"]`` counts the prefill tokens so saved. A sequence begun while an
 earlier one with its prompt (longer than a checkpoint interval) has no token yet is *held* out of admission
@@ -94,6 +95,7 @@ class Engine:
         self.preemptions = 0
         self.prefill_shared = 0   # prefill tokens a sequence took from its twin's chunk instead of recomputing
         self.prefill_computed = 0   # prefill tokens run through the model (step, score, next_logits)
+        self._hit_pasts: Dict[bytes, object] = {}
 
     @classmethod
     def from_pretrained(cls, path: str, *, device="cpu", dtype="float32", tokenizer=None,
@@ -314,6 +316,7 @@ class Engine:
     # ----------------------------------------------------------------------------- schedule
     def _iterate(self, active: List[SeqHandle]):
         """One scheduler iteration over ``active`` (oldest first); yields (seq, token, logprob)."""
+        self._hit_pasts = {}   # sequences admitted now on the same cached blocks have an equal past
         waiting = admissible([h for h in active if h.state is None], active)
         prefilling = [h for h in active if h.state is not None and h.fed < h.pre]
         decoding = [h for h in active if h.state is not None and h.fed >= h.pre]
@@ -420,7 +423,8 @@ class Engine:
             return False
         self.runner.execute(hit.actions)
         s.state = self.runner.load_state(hit.ckpt_pages) if hit.tokens else self.runner.new_state()
-        s.past = COLD if not hit.tokens else object()
+        s.past = COLD if not hit.tokens else self._hit_pasts.setdefault(
+            self.cache.seqs[s.id].hashes[hit.tokens // self.cache.cfg.page_size - 1], object())
         s.shared = []
         s.pre = pre
         s.fed = hit.tokens

@@ -7,7 +7,8 @@ interval and the engine reuses prefixes (``Engine(share_prompts=True)``, the def
 not "none"). While its leader prefills, the sequence is *held*: ``step`` leaves it out of admission
 (it holds no pages). Once the leader has its first token, its prompt's blocks and KDA checkpoints are
 in the prefix cache, and the held sequences are admitted like any other: a prefix hit restores all but
-the tail after the last checkpoint boundary, which each computes itself. The tokens and logprobs of
+the tail after the last checkpoint boundary (the samples admitted in the same step on the same cached
+blocks compute it once: prefill twins, megak3/inference/engine.py). The tokens and logprobs of
 every sequence are those of the engine without holds (a restored boundary state and the latents are
 what the sequence would have computed; tests/test_prompt_holds.py); only when they arrive changes.
 

@@ -155,3 +155,26 @@ def test_leader_preempted_while_copies_are_held(model, reference):
     assert _same(_finish(eng, hs), reference)
     assert eng.cache_stats()["prefill_computed"] < 2 * N   # the leader restored its own blocks
     _assert_clean(eng)
+
+
+def test_partial_rollouts_of_a_group_prefill_its_prompt_once(model):
+    # a GRPO group on PartialRollouts (posttrain/rollout.py): stopped after 2 iterations with the copies held
+    # (every unfinished sample is paused), then run to the end; the same tokens as without holds
+    from megak3.posttrain.buffer import Rollout
+    from megak3.posttrain.rollout import PartialRollouts
+
+    def run(share):
+        eng = Engine(model, **OPTS, num_pages=400, share_prompts=share)
+        group = [Rollout(uid=i, group=0, prompt_ids=_ids(N, 1), budget=6) for i in range(K)]
+        sampler = PartialRollouts(eng, SamplingParams(max_tokens=6, temperature=0.9, ignore_eos=True), seed=3)
+        sampler.run(group, version=0, max_steps=2)
+        assert all(h.held == share for h, _ in list(sampler.live.values())[1:])
+        sampler.run(group, version=0)
+        _assert_clean(eng)
+        return [(r.token_ids, r.logprobs) for r in group], eng.cache_stats()["prefill_computed"]
+
+    (got, computed), (want, computed_off) = run(True), run(False)
+    assert [g[0] for g in got] == [w[0] for w in want] and all(len(g[0]) == 6 for g in got)
+    for g, w in zip(got, want):
+        assert g[1] == pytest.approx(w[1], abs=1e-5)
+    assert computed == N + (N - 48) and computed_off == N + (K - 1) * (N - 16)

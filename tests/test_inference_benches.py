@@ -45,9 +45,10 @@ def test_bench_preempt_tiny():
 
 def test_bench_engine_batch_tiny():
     rc, out = _run(bench_engine_batch.main, ["--batches", "1", "3", "--steps", "2", "--prompt", "5", "--group", "3",
-                                             "--repeat", "1"])
+                                             "--repeat", "1", "--long", "520", "--long-group", "2"])
     assert rc == 0 and "outputs (tokens, logprobs) of old and new: identical" in out, out
     assert "ms per sequence" in out and "group start (3 samples" in out
+    assert "long group outputs, holds on vs off: same tokens" in out and "528 prefill tokens computed" in out
 
 
 def test_bench_bad_arguments_exit_2():
@@ -55,4 +56,5 @@ def test_bench_bad_arguments_exit_2():
     assert bench_prefix_cache.main(["--interval", "20", "--page-size", "16"]) == 2
     assert bench_preempt.main(["--pool", "0"]) == 2
     assert bench_engine_batch.main(["--batches", "0"]) == 2
+    assert bench_engine_batch.main(["--long", "-1"]) == 2
     assert bench_engine_batch.main(["--baseline", "no-such-revision"]) == 2

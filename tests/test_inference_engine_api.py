@@ -218,7 +218,8 @@ def test_twins_take_the_prefill_chunk_and_change_no_output(model, num_pages, mon
     # three samples of a 3-chunk prompt (KDA checkpoints at 16 and 32), two of a 1-chunk one, and a
     # lone prompt; the reference computes every chunk itself (no twins). 40 pages of 4 tokens: the
     # pool overflows while decoding and twins are preempted and recomputed
-    opts = dict(page_size=4, checkpoint_interval=16, prefill_chunk=16, num_pages=num_pages)
+    # (share_prompts=False: no prompt holds, tests/test_prompt_holds.py, so the samples prefill together)
+    opts = dict(page_size=4, checkpoint_interval=16, prefill_chunk=16, num_pages=num_pages, share_prompts=False)
     prompts = [_ids(40, 1)] * 3 + [_ids(9, 2)] * 2 + [_ids(12, 3)]
     params = [SamplingParams(max_tokens=12, temperature=0.8, seed=i, ignore_eos=True, top_logprobs=2)
               for i in range(len(prompts))]
@@ -242,6 +243,7 @@ def test_twins_take_the_prefill_chunk_and_change_no_output(model, num_pages, mon
         assert (g.token_ids, g.logprobs, g.top_logprobs) == (w.token_ids, w.logprobs, w.top_logprobs)
     assert ref.pop("prefill_shared") == 0
     shared = stats.pop("prefill_shared")
+    assert stats.pop("prefill_computed") + shared == ref.pop("prefill_computed")
     assert stats == ref
     if num_pages == 400:
         assert shared == 2 * 16 + 9 and stats["preemptions"] == 0   # the first chunk of the 40-token prompt

@@ -3,8 +3,9 @@
 
     python tools/bench_engine_batch.py                 # about a minute on a shared CPU core
     python tools/bench_engine_batch.py --baseline HEAD~3 --batches 1 8 32
+    python tools/bench_engine_batch.py --long 4096 --long-group 8   # prompt holds on vs off
 
-Two measurements on the tiny random K3 of tools/bench_rollout.py (parallel.testing's PARITY_MODEL widths,
+Three measurements on the tiny random K3 of tools/bench_rollout.py (parallel.testing's PARITY_MODEL widths,
 fp32, one thread, the page size and pool of that bench), each run by both engines, alternating:
 
 * decode: B sequences with distinct ``--prompt``-token prompts, seeded sampling at temperature 1, all
@@ -14,6 +15,13 @@ fp32, one thread, the page size and pool of that bench), each run by both engine
 * group start: ``--group`` samples of one prompt (a GRPO group) from ``begin`` until every one has its
   first token (one prefill chunk per scheduler iteration, the others decoding meanwhile). Printed: ms
   per sample.
+
+* long group start (current code only): ``--long-group`` samples of one ``--long``-token prompt (an
+  agent context), prompt holds on (``Engine(share_prompts=True)``: the later samples wait for the first
+  to fill the prefix cache) vs off, from ``begin`` until every sample has its first token. Printed: CPU
+  ms until the last and (mean) each sample has its first token, and the prefill tokens computed
+  (``cache_stats()["prefill_computed"]``); the tokens must be equal and the logprobs within 1e-5
+  (checked: a decode step's rounding depends on which sequences share it). ``--long 0`` skips it.
 
 The baseline engine is megak3/inference/{types,sampling,cache,runner,handles,engine}.py as of ``--baseline``
 (default: the commit before the prefill sharing), read with ``git show`` and imported beside the
@@ -101,6 +109,24 @@ def group_start(mod, model, prompt, k: int):
     return dt, [(h.token_ids, h.logprobs) for h in hs]
 
 
+def long_group(model, prompt, k: int, share: bool):
+    """CPU seconds until the last / (mean) each of ``k`` samples of ``prompt`` has its first token,
+    the prefill tokens computed meanwhile, and the samples' outputs (4 tokens each)."""
+    import megak3.inference.engine as new
+
+    eng = new.Engine(model, page_size=16, num_pages=8192, max_batch=1024, share_prompts=share)
+    t0 = time.process_time()
+    hs = [eng.begin(prompt, params(new, i, 4)) for i in range(k)]
+    first = {}
+    while len(first) < k:
+        for h, _, _ in eng.step(hs):
+            first.setdefault(h.id, time.process_time() - t0)
+    computed = eng.cache_stats()["prefill_computed"]
+    while any(not h.finished for h in hs):
+        eng.step(hs)
+    return max(first.values()), sum(first.values()) / k, computed, [(h.token_ids, h.logprobs) for h in hs]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--baseline", default=BASELINE, help="git revision of the engine to compare with")
@@ -109,9 +135,14 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=24, help="prompt tokens")
     ap.add_argument("--group", type=int, default=8, help="samples of one prompt in the group-start measurement")
     ap.add_argument("--repeat", type=int, default=3, help="rounds of old/new (medians are printed)")
+    ap.add_argument("--long", type=int, default=2048, help="prompt tokens of the long group start (0: skip it)")
+    ap.add_argument("--long-group", type=int, default=4, help="samples in the long group start")
     args = ap.parse_args(argv)
     if min(args.batches) < 1 or args.steps < 1 or args.prompt < 1 or args.group < 1 or args.repeat < 1:
         print("error: --batches, --steps, --prompt, --group and --repeat must be >= 1", file=sys.stderr)
+        return 2
+    if args.long < 0 or args.long_group < 1 or args.long > 8000:
+        print("error: --long must be in [0, 8000] and --long-group >= 1", file=sys.stderr)
         return 2
     try:
         old = load_baseline(args.baseline)
@@ -152,7 +183,30 @@ def main(argv=None) -> int:
           f"new {med['new', 'group'] * 1e3:.2f} ms/sample, old {med['old', 'group'] * 1e3:.2f} ms/sample, "
           f"new/old {med['new', 'group'] / med['old', 'group']:.2f}")
     print("outputs (tokens, logprobs) of old and new: " + ("identical" if same else "DIFFERENT"))
+    if args.long:
+        same &= long_start(model, args)
     return 0 if same else 1
+
+
+def long_start(model, args) -> bool:
+    """The long group start, holds on vs off (alternating rounds); prints it; False if outputs differ."""
+    prompt = torch.randint(4, model.config.vocab_size, (args.long,), generator=torch.Generator().manual_seed(1)).tolist()
+    res = {True: [], False: []}
+    for r in range(args.repeat):
+        for share in ((True, False) if r % 2 == 0 else (False, True)):
+            res[share].append(long_group(model, prompt, args.long_group, share))
+    outs = {share: res[share][0][3] for share in res}
+    ok = all(a[0] == b[0] and np.allclose(a[1], b[1], rtol=0, atol=1e-5) for a, b in zip(outs[True], outs[False]))
+    med = {(share, i): statistics.median(x[i] for x in res[share]) for share in res for i in range(3)}
+    print(f"long group start ({args.long_group} samples of one {args.long}-token prompt, prefill chunk 256, "
+          f"KDA checkpoint every 512): CPU ms until every sample / (mean) each sample has its first token")
+    for share, tag in ((True, "holds on "), (False, "holds off")):
+        print(f"  {tag}: {med[share, 0] * 1e3:9.1f} ms all, {med[share, 1] * 1e3:9.1f} ms mean, "
+              f"{int(med[share, 2])} prefill tokens computed")
+    print(f"  on/off: all {med[True, 0] / med[False, 0]:.2f}, mean {med[True, 1] / med[False, 1]:.2f}, "
+          f"prefill tokens {med[True, 2] / med[False, 2]:.2f}")
+    print("long group outputs, holds on vs off: " + ("same tokens, logprobs within 1e-5" if ok else "DIFFERENT"))
+    return ok
 
 
 if __name__ == "__main__":

@@ -11,11 +11,15 @@ pinned pages would not leave room falls back to a cold prefill, and a sequence t
 waits), runs one prefill chunk of the oldest prefilling sequence (chunks end at KDA checkpoint
 boundaries so the state there can be saved), then one decode step over every decoding sequence as a
 ragged batch. Prefilling sequences whose next chunk is that same computation (equal embeddings over an
-equal computed past: the K samples of one prompt, admitted together) keep its result, the chunk's MLA
-latents, KDA state and last logits, instead of recomputing it when their own turn comes (one chunk held
-at a time: a prompt longer than ``prefill_chunk`` shares its first chunk): the schedule and every output
+equal computed past: the K samples of one prompt admitted together, cold or on the same cached blocks)
+keep its result, the chunk's MLA latents, KDA state and last logits, instead of recomputing it when their
+own turn comes (one chunk held at a time: a prompt longer than ``prefill_chunk`` shares its first chunk
+after the admission): the schedule and every output
 are those of the engine without this, bit for bit (the forward is deterministic and its inputs are
-equal); ``cache_stats()["prefill_shared"]`` counts the prefill tokens so saved. Admission reserves only the prompt's pages (plus one for the first new token): a
+equal); ``cache_stats()["prefill_shared"]`` counts the prefill tokens so saved. A sequence begun while an
+earlier one with its prompt (longer than a checkpoint interval) has no token yet is *held* out of admission
+until that one has (megak3/inference/prompt_holds.py), then restores the prompt from the prefix cache.
+Admission reserves only the prompt's pages (plus one for the first new token): a
 decoding sequence grows page by page, and when the pool runs out the newest sequence holding pages
 is *preempted by recompute* (paused sequences and sequences outside the current step first): its
 pages are freed (its committed blocks stay cached and evictable), and when it is admitted again it
@@ -26,13 +30,13 @@ generator, so its tokens are those of an uninterrupted run. Bookkeeping lives in
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .cache import CacheConfig, CacheManager
+from .prompt_holds import admissible, find_leader, salt as prompt_salt
 from .handles import COLD, PrefillChunk, SeqHandle
 from .runner import ModelRunner
 from .sampling import make_generator, sample
@@ -55,13 +59,15 @@ class Engine:
     states and checkpoints stay fp32 either way (megak3/inference/runner.py). A bf16 pool under an fp32
     model moves next-token logits by 4e-5 of the largest logit on the test model (bound tested: 1e-3,
     tests/test_inference_engine_api.py; bf16 keeps 8 mantissa bits of each latent) and halves the
-    bytes of an MLA page.
+    bytes of an MLA page. ``share_prompts`` (default True): hold the later samples of a long prompt
+    until the first has its prompt in the prefix cache (megak3/inference/prompt_holds.py; False: every
+    sample prefills its prompt itself; the tokens are the same either way).
     """
 
     def __init__(self, model, tokenizer=None, *, page_size: int = 16, num_pages: Optional[int] = None,
                  checkpoint_interval: int = 512, checkpoint_mode: str = "all", host_pages: int = 0,
                  prefill_chunk: int = 256, max_batch: int = 32, preempt: bool = True,
-                 cache_dtype: Optional[str] = None):
+                 cache_dtype: Optional[str] = None, share_prompts: bool = True):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_context = int(model.config.max_seq_len)
@@ -70,6 +76,7 @@ class Engine:
         if not isinstance(max_batch, int) or max_batch < 1:
             raise InferenceError(f"max_batch={max_batch!r} must be an integer >= 1")
         self.prefill_chunk, self.max_batch, self.preempt = prefill_chunk, max_batch, bool(preempt)
+        self.share_prompts = bool(share_prompts)
         probe = CacheConfig(page_size, 1, checkpoint_interval, checkpoint_mode, host_pages).validate()
         dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
         if cache_dtype is not None and cache_dtype not in dtypes:
@@ -87,6 +94,8 @@ class Engine:
         self._live: Dict[int, SeqHandle] = {}   # begun, unfinished, not released; in begin order
         self.preemptions = 0
         self.prefill_shared = 0   # prefill tokens a sequence took from its twin's chunk instead of recomputing
+        self.prefill_computed = 0   # prefill tokens run through the model (step, score, next_logits)
+        self._hit_pasts: Dict[bytes, object] = {}
 
     @classmethod
     def from_pretrained(cls, path: str, *, device="cpu", dtype="float32", tokenizer=None,
@@ -238,7 +247,8 @@ class Engine:
 
     def cache_stats(self) -> dict:
         return {**self.cache.stats, **self.cache.cache_bytes(self.runner.page_bytes),
-                "preemptions": self.preemptions, "prefill_shared": self.prefill_shared}
+                "preemptions": self.preemptions, "prefill_shared": self.prefill_shared,
+                "prefill_computed": self.prefill_computed}
 
     # ------------------------------------------------------------------------------- checks
     def _own(self, h) -> None:
@@ -278,6 +288,8 @@ class Engine:
             raise InferenceError(f"cache.num_pages={self.cache.cfg.num_pages} cannot hold a {len(p)}-token "
                                  f"prompt plus {max_new} new tokens; raise cache.num_pages")
         h = self._handle(list(p), sp, list(images) if images else None, max_new)
+        if self.share_prompts and self.cache.reuse and len(p) > self.cache.cfg.checkpoint_interval:
+            h.lead = find_leader(h, self._live.values())
         self._live[h.id] = h
         return h
 
@@ -304,7 +316,8 @@ class Engine:
     # ----------------------------------------------------------------------------- schedule
     def _iterate(self, active: List[SeqHandle]):
         """One scheduler iteration over ``active`` (oldest first); yields (seq, token, logprob)."""
-        waiting = [h for h in active if h.state is None]
+        self._hit_pasts = {}   # sequences admitted now on the same cached blocks have an equal past
+        waiting = admissible([h for h in active if h.state is None], active)
         prefilling = [h for h in active if h.state is not None and h.fed < h.pre]
         decoding = [h for h in active if h.state is not None and h.fed >= h.pre]
         for h in waiting:
@@ -402,12 +415,7 @@ class Engine:
 
     def _begin(self, s: SeqHandle, lookup: bool = True, headroom: int = 0) -> bool:
         """Pages, prefix-cache restore and prompt embeddings for ``s``; False when it does not fit now."""
-        salt = b""
-        if s.images:
-            h = hashlib.blake2b(digest_size=16)
-            for im in s.images:
-                h.update(im.detach().float().cpu().numpy().tobytes())
-            salt = h.digest()
+        salt = prompt_salt(s)
         pre = len(s.tokens)
         grow = 1 if self.preempt else max(1, s.max_new - len(s.out))   # pages for the first token / all
         hit = self.cache.begin(s.id, s.tokens[:pre], grow, salt, lookup=lookup, headroom=headroom)
@@ -415,7 +423,8 @@ class Engine:
             return False
         self.runner.execute(hit.actions)
         s.state = self.runner.load_state(hit.ckpt_pages) if hit.tokens else self.runner.new_state()
-        s.past = COLD if not hit.tokens else object()
+        s.past = COLD if not hit.tokens else self._hit_pasts.setdefault(
+            self.cache.seqs[s.id].hashes[hit.tokens // self.cache.cfg.page_size - 1], object())
         s.shared = []
         s.pre = pre
         s.fed = hit.tokens
@@ -439,6 +448,7 @@ class Engine:
             self.prefill_shared += end - start
         else:
             logits = self.runner.forward(s.x0[:, start:end], [s.state], [start], [table], all_logits)
+            self.prefill_computed += end - start
             s.past = object()   # its past now includes this chunk: equal only to its twins'
         s.fed = end
         self._after_forward(s)

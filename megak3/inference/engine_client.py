@@ -13,9 +13,9 @@ Every engine call the server makes is in :class:`EngineClient`, on the engine's 
 2. ``abort`` the sequences of every job whose client went away (streamed or not: the engine frees
    their pages at once);
 3. ``step`` every live sequence of every job: streamed and non-streamed sequences share each
-   prefill / decode batch, and the engine admits waiting ones as pages allow; of the sequences begun
-   in one round with the same long prompt (a request's ``n`` choices), all but the first are paused
-   until the first has its first token, then restore its prompt from the prefix cache;
+   prefill / decode batch, and the engine admits waiting ones as pages allow (the ``n`` choices of a
+   long prompt prefill it once: the engine holds the later ones until the first has filled the prefix
+   cache, megak3/inference/prompt_holds.py);
 4. hand each (token, logprob, top) to its job's asyncio queue (``loop.call_soon_threadsafe``); a
    non-streamed job gets its :class:`Result` list once all its sequences have finished.
 
@@ -110,7 +110,6 @@ class EngineClient:
         self._jobs: List[_Job] = []                # begun, unfinished (engine thread only)
         self.steps = 0                             # engine.step calls made (engine thread)
         self.aborted = 0                           # sequences taken out unfinished (engine thread)
-        self._held: Dict[int, tuple] = {}          # leader id -> (leader, sequences paused for its prefix)
         self._snapshot(ended=True)                 # written by the engine thread only, read by /metrics
         self.thread = threading.Thread(target=self._loop, name="megak3-engine", daemon=True)
         self.thread.start()
@@ -189,15 +188,10 @@ class EngineClient:
                 return
             incoming = [j for x in incoming for j in (x if isinstance(x, list) else [x])]   # streams() puts a list
             try:
-                new: list = []
                 for j in incoming:
-                    n0 = len(j.handles)
                     self._begin(j)
-                    new += j.handles[n0:]
-                self._share_prefixes(new)
                 for j in [j for j in self._jobs if j.cancel.is_set()]:
                     self._end(j, abort=True)
-                self._resume_held()
                 if self._jobs:
                     self._step()
             except Exception as e:  # noqa: BLE001 - a fault fails the running jobs; the thread goes on
@@ -225,31 +219,6 @@ class EngineClient:
             self._fail(job, e)
             return
         self._jobs.append(job)
-
-    def _share_prefixes(self, handles: list) -> None:
-        """Of the sequences begun in one round with the same prompt (no images) longer than one KDA
-        checkpoint interval (e.g. a request's ``n`` choices), the first prefills it and the others are
-        paused until it has its first token: its prompt's blocks are then in the prefix cache, and they
-        restore them instead of prefilling the same prompt side by side."""
-        cache = self.engine.cache
-        if not cache.reuse:
-            return
-        first: Dict[tuple, Any] = {}
-        for h in handles:
-            if h.finish is not None or h.images or len(h.prompt) <= cache.cfg.checkpoint_interval:
-                continue
-            lead = first.setdefault(tuple(h.prompt), h)
-            if lead is not h:
-                self.engine.pause(h)
-                self._held.setdefault(lead.id, (lead, []))[1].append(h)
-
-    def _resume_held(self) -> None:
-        """Resume the sequences held for a leader that has its first token (or has ended)."""
-        for lid, (lead, held) in list(self._held.items()):
-            if lead.finish is not None or lead.token_ids:
-                del self._held[lid]
-                for h in held:
-                    self.engine.resume(h)
 
     def _step(self) -> None:
         live = [h for j in self._jobs for h in j.handles if not h.finished and not h.paused]

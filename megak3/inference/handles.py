@@ -30,7 +30,7 @@ class SeqHandle:
     """One sequence of an :class:`Engine` (``Engine.begin``). Read ``id``, ``prompt``, ``token_ids``,
     ``logprobs``, ``top_logprobs`` (per token, when ``params.top_logprobs`` > 0: the k most likely
     (id, logprob) of the distribution sampled), ``finish_reason``, ``finished``, ``paused``,
-    ``preemptions``; the engine owns the rest."""
+    ``held``, ``preemptions``; the engine owns the rest."""
     id: int
     """unique among the sequences of its engine, whoever began them"""
     prompt: List[int]
@@ -52,6 +52,8 @@ class SeqHandle:
     shared: List["PrefillChunk"] = field(default_factory=list)   # the chunk of its prefill a twin computed (0 or 1)
     paused: bool = False
     preemptions: int = 0
+    lead: Optional["SeqHandle"] = None                  # held until this sequence has its first token (prompt_holds.py)
+    salt: Optional[bytes] = None                        # prefix-cache salt (hash of its images), once computed
     engine_id: int = 0
 
     @property
@@ -76,3 +78,9 @@ class SeqHandle:
     def admitted(self) -> bool:
         """whether it holds pages now (False while waiting, after a preemption and once finished)"""
         return self.state is not None
+
+    @property
+    def held(self) -> bool:
+        """whether it waits for an earlier sample of its prompt to fill the prefix cache
+        (megak3/inference/prompt_holds.py; re-decided at each ``step``)"""
+        return self.lead is not None and self.state is None

@@ -8,9 +8,11 @@ not "none"). While its leader prefills, the sequence is *held*: ``step`` leaves 
 (it holds no pages). Once the leader has its first token, its prompt's blocks and KDA checkpoints are
 in the prefix cache, and the held sequences are admitted like any other: a prefix hit restores all but
 the tail after the last checkpoint boundary (the samples admitted in the same step on the same cached
-blocks compute it once: prefill twins, megak3/inference/engine.py). The tokens and logprobs of
-every sequence are those of the engine without holds (a restored boundary state and the latents are
-what the sequence would have computed; tests/test_prompt_holds.py); only when they arrive changes.
+blocks compute it once: prefill twins, megak3/inference/engine.py). The tokens of every
+sequence are those of the engine without holds (a restored boundary state and the latents are what the
+sequence would have computed); its logprobs agree to rounding, since a sequence may share decode steps
+with other sequences than it would have, and a batched step rounds by its batch (tests/test_prompt_holds.py
+compares tokens exactly and logprobs to 1e-5). Only when tokens arrive changes.
 
 A hold never outlives its reason (decided in :func:`admissible`, each ``step``):
 

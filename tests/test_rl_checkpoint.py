@@ -33,15 +33,16 @@ def make_runner(cache, iterations=3, **kw):
     return RLRunner(job, rl, tok, engine_options=ENGINE)
 
 
-def child(run_dir, cache):
-    """Runs until the first checkpoint is committed, then kills itself with SIGKILL."""
-    runner = make_runner(cache)
+def child(run_dir, cache, make=None):
+    """Runs until the first checkpoint is committed, then kills itself with SIGKILL (``make``: the runner's
+    maker, default :func:`make_runner`)."""
+    runner = (make or make_runner)(cache)
     runner.resumable(run_dir)
     save = runner.state.after_update
 
     def after_update():
         if save():
-            print(f"saved {runner.version}", flush=True)
+            print(f"saved {runner.version} pending {runner._pending is not None}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         return False
 

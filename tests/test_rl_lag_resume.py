@@ -36,18 +36,9 @@ def make_runner(cache):
 
 def child(run_dir, cache):
     """Runs until the checkpoint of version 1 is committed, then kills itself with SIGKILL."""
-    runner = make_runner(cache)
-    runner.resumable(run_dir)
-    save = runner.state.after_update
+    from test_rl_checkpoint import child as run_until_saved
 
-    def after_update():
-        if save():
-            print(f"saved {runner.version} pending {runner._pending is not None}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        return False
-
-    runner.state.after_update = after_update
-    runner.fit(log=None)
+    run_until_saved(run_dir, cache, make_runner)
 
 
 @pytest.fixture(scope="module")
@@ -95,22 +86,17 @@ def test_lag1_control_without_the_batch_ahead_differs(straight_lag1, tmp_path, m
     assert not all(torch.equal(v, weights[k]) for k, v in runner.model.state_dict().items())
 
 
-def child_mid(run_dir, cache, kill_after):
-    """Partial rollouts at lag 1, killed with SIGKILL the moment the kill_after-th sample finished."""
+def _make_partial(cache):
     runner = make_runner(cache)
     runner.rl.partial_fraction = 0.5
-    runner.resumable(run_dir)
-    journal, count = runner.sampler.on_finish, [0]
+    return runner
 
-    def on_finish(r):
-        journal(r)  # the journal line is durable from here on
-        print(f"finished {r.uid}", flush=True)
-        count[0] += 1
-        if count[0] == kill_after:
-            os.kill(os.getpid(), signal.SIGKILL)
 
-    runner.sampler.on_finish = on_finish
-    runner.fit(log=None)
+def child_mid(run_dir, cache, kill_after):
+    """Partial rollouts at lag 1, killed with SIGKILL the moment the kill_after-th sample finished."""
+    from test_rl_resume import child as run_until_finished
+
+    run_until_finished(run_dir, cache, kill_after, _make_partial)
 
 
 def test_lag1_kill9_mid_generation_loses_no_finished_sample(tmp_path):

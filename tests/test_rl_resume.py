@@ -31,8 +31,9 @@ def make_runner(cache):
     return RLRunner(job, rl, tok, engine_options={"page_size": 8, "num_pages": 128, "prefill_chunk": 8})
 
 
-def child(run_dir, cache, kill_after):
-    runner = make_runner(cache)
+def child(run_dir, cache, kill_after, make=None):
+    """Killed with SIGKILL the moment the kill_after-th sample finished (``make``: the runner's maker)."""
+    runner = (make or make_runner)(cache)
     runner.resumable(run_dir)
     journal, count = runner.sampler.on_finish, [0]
 

@@ -121,36 +121,40 @@ def serve(sock: socket.socket, engine) -> None:
             for s in streams:             # a pump cancelled before it ran never closes its stream
                 await s.aclose()
 
+    async def answer(rid, body, *cleanup):
+        """Run ``body()`` for call ``rid``: its reply, or its error, goes back to the server; a cancel
+        ends it quietly; ``cleanup`` callables run last."""
+        try:
+            await body()
+        except asyncio.CancelledError:
+            pass
+        except Exception as e:  # noqa: BLE001 - the request's error goes back to the server
+            put(error_out(rid, e))
+        finally:
+            tasks.pop(rid, None)
+            for fn in cleanup:
+                fn()
+
     async def run(msg):
         rid = msg["id"]
-        try:
+
+        async def body():
             reqs = [request_in(x, _device(engine)) for x in msg["reqs"]]
             if msg["op"] == "generate":
                 res = await client.generate(reqs)
                 put({"id": rid, "op": "result", "results": [result_out(r) for r in res]})
             else:
                 await stream(rid, reqs)
-        except asyncio.CancelledError:
-            pass
-        except Exception as e:  # noqa: BLE001 - the request's error goes back to the server
-            put(error_out(rid, e))
-        finally:
-            tasks.pop(rid, None)
-            closed.pop(rid, None)
-            report()
+        await answer(rid, body, lambda: closed.pop(rid, None), report)
 
     async def score(msg):
         rid = msg["id"]
-        try:
+
+        async def body():
             seqs = [[int(t) for t in x] for x in msg["seqs"]]
             lps = await client.score(seqs, float(msg["temperature"]))
             put({"id": rid, "op": "scores", "logprobs": lps})
-        except asyncio.CancelledError:
-            pass
-        except Exception as e:  # noqa: BLE001 - the request's error goes back to the server
-            put(error_out(rid, e))
-        finally:
-            tasks.pop(rid, None)
+        await answer(rid, body)
 
     def dispatch(msg):
         if msg.get("op") == "score":

@@ -39,6 +39,7 @@ optimizer's ``bool(any)`` and boolean-mask norm), plus the NaN-skip flag read by
 from __future__ import annotations
 
 import sys
+import threading
 import traceback
 from dataclasses import replace
 
@@ -94,6 +95,128 @@ _FACTORIES = ("empty", "zeros", "ones", "full", "arange", "eye", "linspace", "ra
               "randperm", "empty_strided", "scalar_tensor")
 
 
+_PATCH_LOCK = threading.Lock()
+_SPIES: dict = {}      # thread id -> its active HostSyncSpy stack (TorchDispatchMode is per thread too)
+_PATCHED: list = []    # (name, original) of the process-wide patches, while any spy is active
+
+
+class _Keeps(dict):
+    """A mapping that keeps nothing (a thread without a spy marks no tensor)."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+class _NoSpy:
+    """What a patched function sees on a thread without a spy: nothing is host data, nothing is flagged."""
+
+    host = _Keeps()
+
+    @staticmethod
+    def _is_host(t) -> bool:
+        return False
+
+    def _flag(self, what) -> None:
+        pass
+
+    def _helper_move(self, frame) -> None:
+        pass
+
+
+_NO_SPY = _NoSpy()
+
+
+class _Current:
+    """The calling thread's innermost spy (the patched functions are shared by every thread)."""
+
+    def __getattr__(self, name):
+        stack = _SPIES.get(threading.get_ident())
+        return getattr(stack[-1] if stack else _NO_SPY, name)
+
+
+def _install_patches():
+    spy = _Current()
+
+    def patch(name, pred=lambda self, *a, **k: True):
+        orig = getattr(torch.Tensor, name)
+
+        def wrapper(self, *a, **k):
+            if not spy._is_host(self) and pred(self, *a, **k):
+                spy._flag(f"Tensor.{name}")
+            return orig(self, *a, **k)
+        setattr(torch.Tensor, name, wrapper)
+        _PATCHED.append((name, orig))
+
+    orig_to = torch.Tensor.to
+
+    def to(self, *a, **k):
+        dev = k.get("device", a[0] if a else None)
+        if isinstance(dev, str) and dev.startswith("cpu"):  # a literal 'cpu' asks for the host
+            if not spy._is_host(self):
+                spy._flag("Tensor.to('cpu')")
+            return orig_to(self, *a, **k)
+        if _is_device(dev) and spy.host.get(self) in ("host", "constant"):  # moved to the device
+            helper = _helper_frame()
+            if helper is None:
+                spy._flag("H2D Tensor.to(device)")
+            else:
+                spy._helper_move(helper)
+            out = orig_to(self, *a, **k)
+            if out is self:
+                out = self.clone()
+            spy.host.pop(out, None)
+            return out
+        return orig_to(self, *a, **k)
+
+    def from_data(name, orig):
+        def wrapped(data, *a, **k):  # torch.tensor / torch.as_tensor(data, dtype=None, device=None)
+            dev = k.get("device", a[1] if len(a) > 1 else None)
+            if not _is_device(dev):
+                out = orig(data, *a, **k)
+                if not isinstance(data, torch.Tensor):
+                    spy.host[out] = "constant"  # made on the host from Python data
+                return out
+            if (not isinstance(data, torch.Tensor) or spy.host.get(data) in ("host", "constant")) \
+                    and not _from_helper():
+                spy._flag(f"H2D torch.{name}(device=)")
+            out = orig(data, *a, **k)
+            if out is data:
+                out = data.clone()
+            spy.host.pop(out, None)
+            return out
+        return wrapped
+
+    def filled(orig):
+        def made(*a, **k):  # a factory's device kwarg says where it fills (the dispatcher sees 'cpu')
+            out = orig(*a, **k)
+            if _is_device(k.get("device")) and isinstance(out, torch.Tensor):
+                spy.host.pop(out, None)  # filled on the device: device data, not a host constant
+            return out
+        return made
+
+    patch("tolist")
+    patch("numpy")
+    patch("cpu")
+    for name in _FACTORIES:
+        orig = getattr(torch, name)
+        setattr(torch, name, filled(orig))
+        _PATCHED.append((f"torch.{name}", orig))
+    orig_cuda = torch.Tensor.cuda
+
+    def cuda(self, *a, **k):
+        if spy.host.get(self) in ("host", "constant") and not _from_helper():
+            spy._flag("H2D Tensor.cuda()")
+        return orig_cuda(self, *a, **k)
+    torch.Tensor.cuda = cuda
+    _PATCHED.append(("cuda", orig_cuda))
+    torch.Tensor.to = to
+    _PATCHED.append(("to", orig_to))
+    for name in ("tensor", "as_tensor"):
+        orig = getattr(torch, name)
+        setattr(torch, name, from_data(name, orig))
+        _PATCHED.append((f"torch.{name}", orig))
+
+
 class HostSyncSpy(TorchDispatchMode):
     """Counts would-be host syncs; ``events`` lists (what, where) for the failure message."""
 
@@ -103,7 +226,6 @@ class HostSyncSpy(TorchDispatchMode):
         self.events: list[tuple[str, str]] = []
         self.copies: list[list] = []    # [tensors, caller] per call of the H2D helper (one copy each)
         self._helper_call = None        # the helper frame of the last copy (a call = one frame)
-        self._patched = []
 
     def _helper_move(self, frame) -> None:
         if frame is not self._helper_call:
@@ -155,95 +277,26 @@ class HostSyncSpy(TorchDispatchMode):
         return out
 
     def __enter__(self):
-        spy = self
-
-        def patch(name, pred=lambda self, *a, **k: True):
-            orig = getattr(torch.Tensor, name)
-
-            def wrapper(self, *a, **k):
-                if not spy._is_host(self) and pred(self, *a, **k):
-                    spy._flag(f"Tensor.{name}")
-                return orig(self, *a, **k)
-            setattr(torch.Tensor, name, wrapper)
-            self._patched.append((name, orig))
-
-        orig_to = torch.Tensor.to
-
-        def to(self, *a, **k):
-            dev = k.get("device", a[0] if a else None)
-            if isinstance(dev, str) and dev.startswith("cpu"):  # a literal 'cpu' asks for the host
-                if not spy._is_host(self):
-                    spy._flag("Tensor.to('cpu')")
-                return orig_to(self, *a, **k)
-            if _is_device(dev) and spy.host.get(self) in ("host", "constant"):  # moved to the device
-                helper = _helper_frame()
-                if helper is None:
-                    spy._flag("H2D Tensor.to(device)")
-                else:
-                    spy._helper_move(helper)
-                out = orig_to(self, *a, **k)
-                if out is self:
-                    out = self.clone()
-                spy.host.pop(out, None)
-                return out
-            return orig_to(self, *a, **k)
-
-        def from_data(name, orig):
-            def wrapped(data, *a, **k):  # torch.tensor / torch.as_tensor(data, dtype=None, device=None)
-                dev = k.get("device", a[1] if len(a) > 1 else None)
-                if not _is_device(dev):
-                    out = orig(data, *a, **k)
-                    if not isinstance(data, torch.Tensor):
-                        spy.host[out] = "constant"  # made on the host from Python data
-                    return out
-                if (not isinstance(data, torch.Tensor) or spy.host.get(data) in ("host", "constant")) \
-                        and not _from_helper():
-                    spy._flag(f"H2D torch.{name}(device=)")
-                out = orig(data, *a, **k)
-                if out is data:
-                    out = data.clone()
-                spy.host.pop(out, None)
-                return out
-            return wrapped
-
-        def filled(orig):
-            def made(*a, **k):  # a factory's device kwarg says where it fills (the dispatcher sees 'cpu')
-                out = orig(*a, **k)
-                if _is_device(k.get("device")) and isinstance(out, torch.Tensor):
-                    spy.host.pop(out, None)  # filled on the device: device data, not a host constant
-                return out
-            return made
-
-        patch("tolist")
-        patch("numpy")
-        patch("cpu")
-        for name in _FACTORIES:
-            orig = getattr(torch, name)
-            setattr(torch, name, filled(orig))
-            self._patched.append((f"torch.{name}", orig))
-        orig_cuda = torch.Tensor.cuda
-
-        def cuda(self, *a, **k):
-            if spy.host.get(self) in ("host", "constant") and not _from_helper():
-                spy._flag("H2D Tensor.cuda()")
-            return orig_cuda(self, *a, **k)
-        torch.Tensor.cuda = cuda
-        self._patched.append(("cuda", orig_cuda))
-        torch.Tensor.to = to
-        self._patched.append(("to", orig_to))
-        for name in ("tensor", "as_tensor"):
-            orig = getattr(torch, name)
-            setattr(torch, name, from_data(name, orig))
-            self._patched.append((f"torch.{name}", orig))
+        with _PATCH_LOCK:   # the patches are process-wide: installed by the first spy, removed by the last
+            _SPIES.setdefault(threading.get_ident(), []).append(self)
+            if not _PATCHED:
+                _install_patches()
         return super().__enter__()
 
     def __exit__(self, *exc):
-        for name, orig in reversed(self._patched):
-            if name.startswith("torch."):
-                setattr(torch, name[len("torch."):], orig)
-            else:
-                setattr(torch.Tensor, name, orig)
-        self._patched.clear()
+        with _PATCH_LOCK:
+            stack = _SPIES.get(threading.get_ident(), [])
+            if self in stack:
+                stack.remove(self)
+            if not stack:
+                _SPIES.pop(threading.get_ident(), None)
+            if not _SPIES:
+                for name, orig in reversed(_PATCHED):
+                    if name.startswith("torch."):
+                        setattr(torch, name[len("torch."):], orig)
+                    else:
+                        setattr(torch.Tensor, name, orig)
+                _PATCHED.clear()
         return super().__exit__(*exc)
 
     def report(self) -> str:
@@ -559,3 +612,33 @@ def test_parallel_steps_have_no_host_sync():
                 assert n <= most, (name, rank, site, n, most, [e for e in events if _at(e[1], site)])
             if "ep" in LAYOUTS[name]:
                 assert sum(loc.startswith("moonep/moonep.py") for _, loc in events) == n_moe, (name, rank)
+
+
+def test_spies_on_two_threads_leave_torch_as_it_was():
+    """Threaded ranks each enter a spy: the first to enter exits first and the last restored the patches
+    it had found (the other spy's wrappers, left installed for the rest of the process: a later test's
+    torch.tensor then ran a dead spy's code; fails on the old spy). Now the patches are shared, dispatch
+    to the calling thread's spy, and go when the last spy exits."""
+    import threading
+    import time
+
+    real = (torch.tensor, torch.as_tensor, torch.zeros, torch.Tensor.to, torch.Tensor.tolist)
+    entered, second_in = threading.Event(), threading.Event()
+
+    def first():
+        with HostSyncSpy():
+            entered.set()
+            second_in.wait(10)             # exits first
+
+    def second():
+        entered.wait(10)
+        with HostSyncSpy():
+            second_in.set()
+            time.sleep(0.2)                # exits last
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert (torch.tensor, torch.as_tensor, torch.zeros, torch.Tensor.to, torch.Tensor.tolist) == real

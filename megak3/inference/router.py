@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from .types import InferenceError
@@ -194,6 +194,25 @@ class Router:
         """Record that ``replica`` now caches ``ids`` (e.g. the other outputs of an n > 1 request)."""
         if replica not in self.down:
             self.models[replica].insert(self._hashes(ids, salt))
+
+    def state_dict(self) -> dict:
+        """What the router knows, as plain data (a resumable RL run): each replica's cache model, its
+        outstanding work and the stats. Not kept: the tickets in flight and the round-robin cursor."""
+        return {"load": list(self.load), "stats": asdict(self.stats),
+                "models": [[[h.hex(), None if p is None else p.hex()] for h, p in m.lru.items()] for m in self.models],
+                "children": [[[h.hex(), int(n)] for h, n in m.children.items()] for m in self.models]}
+
+    def load_state_dict(self, state: dict) -> bool:
+        """Restore :meth:`state_dict`; False (and nothing changed) when it was saved for another replica count."""
+        if len(state["models"]) != self.n:
+            return False
+        self.load = [int(x) for x in state["load"]]
+        self.stats = RouterStats(**state["stats"])
+        for m, lru, children in zip(self.models, state["models"], state["children"]):
+            m.lru.clear()
+            m.lru.update((bytes.fromhex(h), None if p is None else bytes.fromhex(p)) for h, p in lru)
+            m.children = {bytes.fromhex(h): int(n) for h, n in children}
+        return True
 
     def set_up(self, replica: int, up: bool) -> None:
         """Mark ``replica`` up or down: a down replica is never routed to, and its cache model is

@@ -237,31 +237,16 @@ class ReplicaRollouts:
 
     def state_dict(self) -> dict:
         """The routing state as plain data (a resumable run): each GRPO group's replica and the router's
-        model of what each replica caches, its outstanding and routed work. Not kept: the router's tickets
-        (this class never calls ``done``) and its round-robin cursor (the affinity policy does not use it).
-        The sampling streams need nothing: a sample's seed is a function of ``rl.seed`` and its uid
+        own state (Router.state_dict: its model of what each replica caches, its outstanding and routed
+        work). The sampling streams need nothing: a sample's seed is a function of ``rl.seed`` and its uid
         (rollout.py)."""
-        rt = self.router
-        return {"placed": [[int(g), int(k)] for g, k in self.placed.items()], "load": list(rt.load),
-                "stats": dataclasses.asdict(rt.stats),
-                "models": [[[h.hex(), None if p is None else p.hex()] for h, p in m.lru.items()] for m in rt.models],
-                "children": [[[h.hex(), int(n)] for h, n in m.children.items()] for m in rt.models]}
+        return {"placed": [[int(g), int(k)] for g, k in self.placed.items()], **self.router.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s routing; one saved for another replica count is not used (the groups
         are routed afresh: the restored replicas hold no cache of them anyway)."""
-        from megak3.inference.router import RouterStats
-
-        rt = self.router
-        if len(state["models"]) != rt.n:
-            return
-        self.placed = {int(g): int(k) for g, k in state["placed"]}
-        rt.load = [int(x) for x in state["load"]]
-        rt.stats = RouterStats(**state["stats"])
-        for m, lru, children in zip(rt.models, state["models"], state["children"]):
-            m.lru.clear()
-            m.lru.update((bytes.fromhex(h), None if p is None else bytes.fromhex(p)) for h, p in lru)
-            m.children = {bytes.fromhex(h): int(n) for h, n in children}
+        if self.router.load_state_dict(state):
+            self.placed = {int(g): int(k) for g, k in state["placed"]}
 
     def release_all(self) -> None:
         if self.sampler is not None:

@@ -138,11 +138,10 @@ def share(produced, trainers: int, group) -> Tuple[dict, List[List[Rollout]]]:
     if rank > trainers:
         return produced
     t0 = time.perf_counter()
-    box = [batch_state(produced) if rank == trainers else None]
-    dist.broadcast_object_list(box, src=trainers, group=group)
+    got = broadcast(batch_state(produced) if rank == trainers else None, trainers, group)
     if rank == trainers:
         return produced
-    rec, groups = load_batch(box[0])
+    rec, groups = load_batch(got)
     return dict(rec, wait_s=time.perf_counter() - t0), groups
 
 

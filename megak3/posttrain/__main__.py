@@ -68,7 +68,7 @@ TRAIN_FIELDS = ("run_dir", "save_interval", "keep_last", "resume")
 def run(args, rl_over, optim_over, shuffle: bool, train_over=(), par_over=()) -> dict:
     from megak3.inference import Engine
     from megak3.optim.config import OptimConfig
-    from megak3.posttrain.placement import check_run, init_rl_parallel, trainer_ranks
+    from megak3.posttrain.placement import init_rl_parallel, trainer_ranks
     from megak3.posttrain.rl import RLConfig, RLRunner
     from megak3.job.config import JobConfig, TrainConfig
     from parallel.config import ParallelConfig
@@ -86,8 +86,7 @@ def run(args, rl_over, optim_over, shuffle: bool, train_over=(), par_over=()) ->
     par = ParallelConfig()
     for k, v in par_over:
         _set(par, k, v, "parallel.")
-    trainer_ranks(rl, par)
-    check_run(rl, par, run_dir=dict(train_over).get("run_dir", ""))
+    trainer_ranks(rl, par)  # the rollout layout and placement (check_run), before the load
     src = Engine.from_pretrained(args.init_from)  # after the cheap checks: a typo fails before the load
     from megak3.data.config import DataConfig
 
@@ -100,7 +99,6 @@ def run(args, rl_over, optim_over, shuffle: bool, train_over=(), par_over=()) ->
     job = JobConfig(model=mcfg, optim=optim, quant=src.load_info["quant"],
                     data=DataConfig(vocab_size=max(260, min(8192, mcfg.vocab_size))),  # unused by RL
                     train=train, parallel=par)
-    check_run(rl, par, run_dir=train.run_dir)  # before the first process group
     ps = init_rl_parallel(job, rl)  # validates the job at the trainer's rank count; torchrun: the groups
     if rl.env:
         return run_agentic(args, job, rl, src.tokenizer)

@@ -76,9 +76,9 @@ def world_of(ps: Optional[ParallelState], placement: str) -> Tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def check_run(rl, par, run_dir: str = "") -> None:
-    """Refuse (one line, naming the field) what the separate placement or the lag does not build
-    (``run_dir``: the run is to be resumable, ``train.run_dir``: built for every placement and lag)."""
+def check_run(rl, par) -> None:
+    """Refuse (one line, naming the field) what the separate placement or the lag does not build (resumable
+    runs, ``train.run_dir``, are built for every placement and lag)."""
     ro = rl.rollout
     what = "rl.rollout.placement=separate" if ro.placement == "separate" else "rl.rollout.lag=1"
     if ro.placement == "colocated" and ro.lag == 0:

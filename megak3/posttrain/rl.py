@@ -307,7 +307,6 @@ class RLRunner:
         what ``resume`` names (``train.resume``: auto, none or a checkpoint). True when a state was restored."""
         from .checkpoint import RLCheckpoint
 
-        check_run(self.rl, self.job.parallel, run_dir=str(run_dir))
         self.state = RLCheckpoint(self, run_dir, save_interval, keep_last)
         if self.sampler is not None:  # a rank that generates (not a trainer rank of the separate placement)
             self.sampler.on_finish = self.state.journal

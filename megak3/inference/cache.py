@@ -66,6 +66,17 @@ class CacheConfig:
         return self
 
 
+def image_salt(images) -> bytes:
+    """The prefix-cache salt of a prompt with ``images``: blake2b-128 over their fp32 bytes (b"" without
+    images). The engine salts its block hashes with it and the router (replicas.py) routes by it."""
+    if not images:
+        return b""
+    h = hashlib.blake2b(digest_size=16)
+    for im in images:
+        h.update(im.detach().float().cpu().numpy().tobytes())
+    return h.digest()
+
+
 def chain_hashes(ids, page_size: int, salt: bytes = b"") -> List[bytes]:
     """Hash of every full block of ``ids``, each chained over its predecessors (and ``salt``)."""
     out, prev = [], hashlib.blake2b(salt, digest_size=16).digest()

@@ -29,22 +29,16 @@ sequences find a shallower hit (or none) and prefill more themselves: later, nev
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Dict, Iterable, List, Optional
 
+from .cache import image_salt
 from .handles import SeqHandle
 
 
 def salt(h: SeqHandle) -> bytes:
     """The prefix-cache salt of ``h``'s prompt: a hash of its images (b"" without images), computed once."""
     if h.salt is None:
-        if not h.images:
-            h.salt = b""
-        else:
-            d = hashlib.blake2b(digest_size=16)
-            for im in h.images:
-                d.update(im.detach().float().cpu().numpy().tobytes())
-            h.salt = d.digest()
+        h.salt = image_salt(h.images)
     return h.salt
 
 

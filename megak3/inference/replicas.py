@@ -23,7 +23,6 @@ the other replicas keep serving meanwhile.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import json
 import os
@@ -38,6 +37,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from .cache import image_salt
 from .engine_client import ClientDisconnected, Request, Result
 from .replica_stream import ReplicaStream, StreamGroup
 from .replica_wire import WireClosed, recv, request_out, result_in, scores_in, send
@@ -47,16 +47,6 @@ from .types import InferenceError
 
 class ReplicaDied(RuntimeError):
     """The replica running a request exited before answering it (the server's 500)."""
-
-
-def image_salt(images) -> bytes:
-    """The prefix-cache salt the engine gives a prompt with ``images`` (b"" without images)."""
-    if not images:
-        return b""
-    h = hashlib.blake2b(digest_size=16)
-    for im in images:
-        h.update(im.detach().float().cpu().numpy().tobytes())
-    return h.digest()
 
 
 @dataclass

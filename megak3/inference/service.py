@@ -276,9 +276,9 @@ class OpenAIService:
                 logprobs.top_logprobs[0] = None
             choices.append(CompletionChoice(index=k, text=self.tok.decode(x), finish_reason="length",
                                             logprobs=logprobs))
-        if self.metrics:
-            self.metrics.prompt_tokens.inc(sum(len(x) for x in ids))
         n = sum(len(x) for x in ids)
+        if self.metrics:
+            self.metrics.prompt_tokens.inc(n)
         return CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name,
                                   choices=choices, usage=Usage(prompt_tokens=n, completion_tokens=0, total_tokens=n))
 

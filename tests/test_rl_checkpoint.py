@@ -50,21 +50,28 @@ def child(run_dir, cache, make=None):
     runner.fit(log=None)
 
 
-def _run_child(run_dir, cache):
-    code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_rl_checkpoint as t; t.child({str(run_dir)!r}, {str(cache)!r})"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+def _run_child(run_dir, cache, module: str = "test_rl_checkpoint"):
+    """``module.child(run_dir, cache)`` in a fresh interpreter (it kills itself with SIGKILL after a save)."""
+    code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import {module} as t; "
+            f"t.child({str(run_dir)!r}, {str(cache)!r})")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+
+
+def uninterrupted(root, make=None):
+    """``(root, history, final weights)`` of an uninterrupted run made by ``make`` (default make_runner)
+    with a run directory under ``root``."""
+    runner = (make or make_runner)(root / "cache")
+    assert not runner.resumable(root / "run")
+    runner.fit(log=None)
+    return root, runner.history, {k: v.clone() for k, v in runner.model.state_dict().items()}
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """An uninterrupted 3-update run with a run directory: its history and final weights."""
-    root = tmp_path_factory.mktemp("rlck")
-    runner = make_runner(root / "cache")
-    assert not runner.resumable(root / "run")
-    runner.fit(log=None)
-    return root, runner.history, {k: v.clone() for k, v in runner.model.state_dict().items()}
+    return uninterrupted(tmp_path_factory.mktemp("rlck"))
 
 
 def test_kill9_after_a_save_resumes_exactly(straight, tmp_path):

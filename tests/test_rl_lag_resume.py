@@ -43,19 +43,15 @@ def child(run_dir, cache):
 
 @pytest.fixture(scope="module")
 def straight_lag1(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rllag")
-    runner = make_runner(root / "cache")
-    assert not runner.resumable(root / "run")
-    runner.fit(log=None)
-    return root, runner.history, {k: v.clone() for k, v in runner.model.state_dict().items()}
+    from test_rl_checkpoint import uninterrupted
+
+    return uninterrupted(tmp_path_factory.mktemp("rllag"), make_runner)
 
 
 def _killed_at_1(root, run):
-    code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_rl_lag_resume as t; "
-            f"t.child({str(run)!r}, {str(root / 'cache')!r})")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    from test_rl_checkpoint import _run_child
+
+    p = _run_child(run, root / "cache", "test_rl_lag_resume")
     assert p.returncode == -signal.SIGKILL and "saved 1 pending True" in p.stdout, p.stderr[-2000:]
 
 

@@ -251,3 +251,66 @@ def test_malformed_answers_are_errors_naming_the_teacher(env):
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_scoring_answers_from_a_generator_are_checked_or_refused():
+    """Seeded adversarial answers (valid echo answers with one node replaced or deleted, and random JSON):
+    each is either accepted with one finite logprob <= 0 per scored token or refused with TeacherError,
+    never another exception (a 400-digit integer logprob was an OverflowError)."""
+    import copy
+    import json
+    import math
+    import random
+
+    from megak3.posttrain.teacher_client import ServedTeacher, TeacherError, _no_constant
+
+    t = ServedTeacher("http://127.0.0.1:1", "add")
+    rng = random.Random(11)
+    atoms = [None, True, False, 0, -1, 1, 10 ** 400, -10 ** 400, 1e308, -0.0, -1.5, 0.5, "x", "", [], {}, [None]]
+
+    def value(d=0):
+        r = rng.random()
+        if d > 3 or r < 0.5:
+            return rng.choice(atoms)
+        if r < 0.75:
+            return [value(d + 1) for _ in range(rng.randint(0, 4))]
+        return {rng.choice(["choices", "index", "logprobs", "token_logprobs"]): value(d + 1)
+                for _ in range(rng.randint(0, 3))}
+
+    def mutate(o):
+        paths = []
+
+        def walk(x, p):
+            paths.append(p)
+            for k in (x if isinstance(x, dict) else range(len(x)) if isinstance(x, list) else ()):
+                walk(x[k], p + [k])
+        walk(o, [])
+        p = rng.choice(paths)
+        if not p:
+            return value()
+        cur = o
+        for k in p[:-1]:
+            cur = cur[k]
+        if rng.random() < 0.6:
+            cur[p[-1]] = value()
+        else:
+            del cur[p[-1]]
+        return o
+
+    accepted = refused = 0
+    for _ in range(3000):
+        seqs = [[1] * rng.randint(0, 5) for _ in range(rng.randint(1, 3))]
+        ok = {"choices": [{"index": k, "logprobs": {"token_logprobs": [None] + [-0.5] * (len(s) - 1)}}
+                          for k, s in enumerate(seqs)]}
+        got = mutate(copy.deepcopy(ok)) if rng.random() < 0.8 else value()
+        if rng.random() < 0.3:
+            got = json.loads(json.dumps(got), parse_constant=_no_constant)
+        try:
+            out = t.parse(got, seqs)
+        except TeacherError:
+            refused += 1
+            continue
+        accepted += 1
+        assert [len(r) for r in out] == [max(len(s) - 1, 0) for s in seqs]
+        assert all(isinstance(v, float) and math.isfinite(v) and v <= 1e-4 for r in out for v in r)
+    assert accepted > 30 and refused > 1000, (accepted, refused)   # both sides exercised (62 and 2938)

@@ -152,11 +152,11 @@ class ServedTeacher:
                 raise bad(f"row {k} has {n} token logprobs for its {len(seqs[k])} tokens")
             if vals and vals[0] is not None:
                 raise bad(f"row {k}: the first token's logprob must be null")
-            row = vals[1:]
-            for v in row:
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v > 1e-4:
-                    raise bad(f"row {k} holds {v!r}, not a finite log-probability <= 0")
-            out[k] = [float(v) for v in row]
+            row = [_finite_float(v) for v in vals[1:]]
+            for v, f in zip(vals[1:], row):
+                if f is None or f > 1e-4:
+                    raise bad(f"row {k} holds {str(v)[:40]}, not a finite log-probability <= 0")
+            out[k] = row
         return out
 
     def logprobs(self, batch: dict) -> torch.Tensor:
@@ -170,6 +170,18 @@ class ServedTeacher:
         for i, lp in zip(rows, self.score([seqs[i] for i in rows]) if rows else []):
             out[i, :lens[i]] = torch.tensor(lp, dtype=torch.float32)
         return out.to(ids.device)
+
+
+def _finite_float(v):
+    """``v`` as a finite float, or None: not a JSON number (bools are not), not finite, or an integer too
+    large for a float (JSON allows any)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
 
 
 def _is_int(v) -> bool:

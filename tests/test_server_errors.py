@@ -122,6 +122,40 @@ def test_every_field_with_every_wrong_type_and_range(client):
     still_serving(c, model, tok)
 
 
+def test_echo_scoring_bodies_are_refused_or_answered(client):
+    """The echo scoring path (``echo: true, max_tokens: 0``) over generated prompts and field mixes: every
+    one is a checked answer (one logprob per token, the first null, finite <= 0) or a 400 JSON error; the
+    server serves normally afterwards."""
+    import math
+    import random
+
+    c, model, tok = client
+    V, rng = model.config.vocab_size, random.Random(5)
+    prompts = [[], [[]], [-1], [V], [2 ** 70], [True], [1.5], ["a", 1], [[1, 2], [V + 1]],
+               [1] * (model.config.max_seq_len + 2)]
+    extras = [{}, {"n": 2}, {"stream": True}, {"top_p": 0.5}, {"top_k": 3}, {"logprobs": 2}, {"max_tokens": 1},
+              {"temperature": -1}, {"temperature": 3}, {"logprobs": None}]
+    answered = refused = 0
+    for _ in range(120):
+        p = rng.choice(prompts + [[rng.randrange(V) for _ in range(rng.randint(1, 9))] for _ in range(4)])
+        body = {"prompt": p, "echo": True, "max_tokens": 0, "logprobs": 0, **rng.choice(extras)}
+        r = c.post("/v1/completions", json=body)
+        if r.status_code == 200:
+            answered += 1
+            rows = [p] if p and isinstance(p[0], int) else p
+            for ch in r.json()["choices"]:
+                lp = (ch["logprobs"] or {}).get("token_logprobs")
+                if lp is None:
+                    continue
+                assert len(lp) == len(rows[ch["index"]]) and lp[0] is None, body
+                assert all(isinstance(v, float) and math.isfinite(v) and v <= 1e-4 for v in lp[1:]), body
+        else:
+            refused += 1
+            check_error(r, what=json.dumps(body)[:120])
+    assert answered > 10 and refused > answered, (answered, refused)
+    still_serving(c, model, tok)
+
+
 def test_bodies_routes_methods_and_oversize(client):
     c, model, tok = client
     for raw, ctype in ((b"{not json", "application/json"), (b"[1, 2]", "application/json"),

@@ -137,8 +137,9 @@ def test_echo_scoring_bodies_are_refused_or_answered(client):
               {"temperature": -1}, {"temperature": 3}, {"logprobs": None}]
     answered = refused = 0
     for _ in range(120):
-        p = rng.choice(prompts + [[rng.randrange(V) for _ in range(rng.randint(1, 9))] for _ in range(4)])
-        body = {"prompt": p, "echo": True, "max_tokens": 0, "logprobs": 0, **rng.choice(extras)}
+        p = rng.choice(prompts) if rng.random() < 0.5 else [rng.randrange(V) for _ in range(rng.randint(1, 9))]
+        body = {"prompt": p, "echo": True, "max_tokens": 0, "logprobs": 0,
+                **(rng.choice(extras) if rng.random() < 0.5 else {})}
         r = c.post("/v1/completions", json=body)
         if r.status_code == 200:
             answered += 1
@@ -152,7 +153,7 @@ def test_echo_scoring_bodies_are_refused_or_answered(client):
         else:
             refused += 1
             check_error(r, what=json.dumps(body)[:120])
-    assert answered > 10 and refused > answered, (answered, refused)
+    assert answered > 10 and refused > 10, (answered, refused)
     still_serving(c, model, tok)
 
 
